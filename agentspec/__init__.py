@@ -1,0 +1,30 @@
+"""agentspec: lossless speculative decoding and prefix reuse for LLM agents.
+
+The core (this package) needs torch and transformers only; ``ChatSpecDecode`` is the LangChain
+chat model, importable from here when langchain-core is installed.
+"""
+
+from agentspec.config import GenerationConfig
+from agentspec.decode import GenerationResult, Step, decode, generate, stream
+from agentspec.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
+from agentspec.models import ModelPair, TokenizerMismatchError, load_pair
+from agentspec.stats import DecodeStats
+
+__all__ = [
+    "DecodeStats",
+    "Draft",
+    "Drafter",
+    "GenerationConfig",
+    "GenerationResult",
+    "ModelDrafter",
+    "ModelPair",
+    "PromptLookupDrafter",
+    "Step",
+    "TokenizerMismatchError",
+    "decode",
+    "generate",
+    "load_pair",
+    "stream",
+]
+
+__version__ = "0.1.0"

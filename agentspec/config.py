@@ -1,0 +1,60 @@
+"""Options of one generation call, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What one call asks for. Every field is checked in ``__post_init__``."""
+
+    max_new_tokens: int = 256  # hard cap on generated tokens (finish_reason "length")
+    temperature: float = 0.0  # 0 = greedy; > 0 samples from softmax(logits / temperature)
+    top_k: int | None = None  # keep the k most likely tokens before sampling (None = all)
+    top_p: float | None = None  # nucleus: keep the smallest set with mass >= top_p (None = 1)
+    stop: tuple[str, ...] = ()  # stop strings; the output text ends before the first one
+    seed: int | None = None  # seeds the sampler: same seed, same output
+    num_draft_tokens: int = 4  # the most draft tokens verified per target pass
+    speculative: bool = True  # False = the same loop with no draft (the honest baseline)
+    eos_token_ids: frozenset[int] | None = None  # None = the model's own EOS ids
+    extra: dict = field(default_factory=dict, compare=False)  # free-form, ignored by the loop
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        _check_int("max_new_tokens", self.max_new_tokens, low=1)
+        _check_int("num_draft_tokens", self.num_draft_tokens, low=0)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise TypeError(f"temperature must be a number, got {type(t).__name__}")
+        if math.isnan(t) or math.isinf(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t}")
+        if self.top_p is not None:
+            if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+                raise TypeError(f"top_p must be a number, got {type(self.top_p).__name__}")
+            if math.isnan(self.top_p) or not 0 < self.top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, low=1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0)
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise TypeError(f"stop: every stop sequence must be a string, got {type(s).__name__}")
+            if s == "":
+                raise ValueError("stop: empty strings are not valid stop sequences")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_int(name: str, value: object, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")

@@ -1,0 +1,231 @@
+"""The decoding loop: prefill, draft, verify in one target pass, accept, roll back. One generator.
+
+Every entry point (``generate``, ``stream``, the LangChain chat model, the benchmarks) consumes
+``decode``. Cache invariant, asserted by ``ModelState``: after every step the target's cache holds
+exactly the verified sequence minus its last token, which is fed (with the next draft) on the next
+pass; the draft model's cache is synced to the same verified tokens before it proposes.
+
+A k-token draft costs one target pass over k+1 tokens: the pending token and the k draft tokens.
+Row i of that pass's logits scores draft token i; row k gives the bonus token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentspec.config import GenerationConfig
+from agentspec.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
+from agentspec.kv import ModelState
+from agentspec.models import ModelPair
+from agentspec.sampling import make_generator, probabilities
+from agentspec.stats import DecodeStats
+from agentspec.text import TextTracker
+from agentspec.verify import greedy_verify, speculative_verify
+
+log = logging.getLogger(__name__)
+
+DRAFTER_NAMES = ("auto", "model", "prompt_lookup", "none")
+
+
+@dataclass
+class Step:
+    """What one target pass added to the output."""
+
+    tokens: list[int]  # verified tokens this pass adds to the output (after EOS/stop/length trims)
+    text: str  # text newly safe to show (may be "" while a stop string or character is pending)
+    drafted: int  # draft tokens verified in this pass
+    accepted: int  # of those, accepted
+    prefill: int  # prompt tokens the target computed in this pass (first pass only)
+    seconds: float  # wall time of this pass, drafting included
+    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length", on the last step
+    stats: DecodeStats = field(default_factory=DecodeStats, repr=False)  # the call's running stats
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids (an EOS that ended generation is included)
+    text: str  # generated text, cut before a stop string, without EOS
+    finish_reason: str
+    stats: DecodeStats
+
+
+def resolve_drafter(pair: ModelPair, drafter: Any, speculative: bool = True) -> Drafter | None:
+    """A drafter instance from a name ("auto", "model", "prompt_lookup", "none") or an instance."""
+    if not speculative or drafter == "none":
+        return None
+    if drafter is None or drafter == "auto":
+        drafter = "model" if pair.draft is not None else "prompt_lookup"
+    if drafter == "model":
+        if pair.draft is None:
+            raise ValueError("drafter='model' needs a pair loaded with a draft_model")
+        return ModelDrafter(pair.draft, vocab_size=pair.target.config.vocab_size)
+    if drafter == "prompt_lookup":
+        return PromptLookupDrafter()
+    if isinstance(drafter, Drafter):
+        return drafter
+    raise ValueError(f"drafter: expected one of {DRAFTER_NAMES} or a Drafter, got {drafter!r}")
+
+
+def check_prompt(pair: ModelPair, prompt_ids: Any) -> list[int]:
+    """Prompt ids as a list of ints, or a clear error."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+            prompt_ids = prompt_ids[0]
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"prompt_ids: expected shape [n] or [1, n], got {list(prompt_ids.shape)}")
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        raise TypeError(f"prompt_ids must be a sequence of token ids, got {type(prompt_ids).__name__}")
+    ids = list(prompt_ids)
+    if not ids:
+        raise ValueError("prompt_ids is empty: the prompt needs at least one token")
+    vocab = pair.target.config.vocab_size
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+            raise ValueError(f"prompt_ids: {i!r} is not a token id in [0, {vocab})")
+    if len(ids) >= pair.max_context:
+        raise ValueError(
+            f"prompt_ids: the prompt has {len(ids)} tokens but the model's context is "
+            f"{pair.max_context}; shorten the prompt"
+        )
+    return ids
+
+
+def _finish(
+    new: list[int], n_out: int, budget: int, eos: set[int], text: TextTracker, out: list[int]
+) -> tuple[list[int], str | None, int | None]:
+    """Trim a pass's tokens at EOS, the token budget and stop strings: (kept, reason, text cut)."""
+    reason = None
+    for i, tok in enumerate(new):
+        if tok in eos:
+            new, reason = new[: i + 1], "stop"
+            break
+    room = budget - n_out
+    if len(new) > room:
+        new, reason = new[:room], "length"
+    elif len(new) == room and reason is None:
+        reason = "length"
+    hit = text.first_stop(out, new)
+    if hit is not None:
+        return new[: hit[0]], "stop", hit[1]
+    return new, reason, None
+
+
+def decode(
+    pair: ModelPair,
+    prompt_ids: list[int],
+    config: GenerationConfig,
+    drafter: Drafter | None = None,
+    target: ModelState | None = None,
+) -> Iterator[Step]:
+    """Generate after ``prompt_ids``, yielding one Step per target pass, the last with a finish reason.
+
+    ``target`` may carry a KV state restored from the prefix cache: only the ids it does not cover
+    are prefilled. On return (or on close) it covers exactly the verified sequence minus its last
+    token, ready to be saved.
+    """
+    start = time.perf_counter()
+    seq = check_prompt(pair, prompt_ids)
+    target = target if target is not None else ModelState(pair.target)
+    stats = DecodeStats(drafter=drafter.name if drafter else None, prompt_tokens=len(seq))
+    eos = set(config.eos_token_ids) if config.eos_token_ids is not None else pair.eos_token_ids
+    text = TextTracker(pair.tokenizer, config.stop, eos)
+    gen = None if config.greedy else make_generator(config.seed, pair.device)
+    if drafter is not None:
+        drafter.reset()
+
+    pending = target.sync(seq[:-1]) + seq[-1:]
+    stats.cached_tokens = len(seq) - len(pending)
+    stats.prefill_tokens = len(pending)
+    budget = min(config.max_new_tokens, pair.max_context - len(seq))
+    vocab = pair.target.config.vocab_size
+    out: list[int] = []
+    while True:
+        t0 = time.perf_counter()
+        # never draft past the token budget or the context window
+        k = min(config.num_draft_tokens, budget - len(out) - 1, pair.max_context - len(seq) - 1)
+        draft = Draft([])
+        if drafter is not None and k > 0:
+            try:
+                draft = drafter.propose(seq, k, config, gen)
+                draft.tokens = draft.tokens[:k]
+            except Exception as exc:  # the target alone gives the same output: carry on without
+                log.warning("drafter %s failed (%r); continuing with the target alone", drafter.name, exc)
+                stats.draft_failures += 1
+                drafter.reset()
+                drafter, draft = None, Draft([])
+        n_draft = len(draft.tokens)
+        prefill = len(pending) - 1
+        logits = target.forward(pending + draft.tokens, keep=n_draft + 1)  # [k+1, V]
+        d = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
+        if config.greedy:
+            n, token = greedy_verify(d, logits)
+        else:
+            p = probabilities(logits, config.temperature, config.top_k, config.top_p)
+            q = draft.q[:n_draft] if draft.q is not None else None
+            n, token = speculative_verify(d, p, q, gen)
+        assert 0 <= token < vocab, f"{token=} {vocab=}"
+        target.truncate(len(seq) + n)  # roll back the rejected draft tokens
+        stats.observe_step(n_draft, n)
+
+        new, reason, cut = _finish(draft.tokens[:n] + [token], len(out), budget, eos, text, out)
+        out += new
+        seq += new
+        if drafter is not None:
+            drafter.feedback(seq, n, n_draft)
+        now = time.perf_counter()
+        if len(out) == len(new):
+            stats.time_to_first_token_s = now - start
+        stats.output_tokens = len(out)
+        if reason is not None:
+            target.truncate(min(len(target.ids), len(seq) - 1))
+            stats.finish_reason = reason
+            stats.total_time_s = now - start
+        delta = text.release(out, final=reason is not None, cut=cut)
+        yield Step(new, delta, n_draft, n, prefill, now - t0, reason, stats)
+        if reason is not None:
+            return
+        pending = seq[-1:]
+
+
+def _config(options: dict) -> GenerationConfig:
+    config = options.pop("config", None)
+    if config is not None and options:
+        raise TypeError(f"pass either config= or options, not both: {sorted(options)}")
+    return config if config is not None else GenerationConfig(**options)
+
+
+def stream(
+    pair: ModelPair, prompt_ids: Any, drafter: Any = None, **options: Any
+) -> Iterator[Step]:
+    """Yield Steps as tokens are verified. Options are GenerationConfig fields (or ``config=``).
+
+    The pair's lock is held while the generator runs; close the generator to release it early.
+    """
+    config = _config(options)
+    d = resolve_drafter(pair, drafter, config.speculative)
+    with pair.lock:
+        yield from decode(pair, prompt_ids, config, d)
+
+
+def generate(pair: ModelPair, prompt_ids: Any, drafter: Any = None, **options: Any) -> GenerationResult:
+    """Generate to the end; returns ids, text, finish reason and stats.
+
+    >>> pair = load_pair()
+    >>> ids = pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    >>> result = generate(pair, ids, max_new_tokens=64)  # greedy by default
+    """
+    ids: list[int] = []
+    parts: list[str] = []
+    last = None
+    for last in stream(pair, prompt_ids, drafter, **options):
+        ids += last.tokens
+        parts.append(last.text)
+    assert last is not None and last.finish_reason is not None
+    return GenerationResult(ids, "".join(parts), last.finish_reason, last.stats)

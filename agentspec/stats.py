@@ -1,0 +1,56 @@
+"""Per-call statistics as data. Logging, LangChain metadata, spans and benchmarks all read this.
+
+Conventions (as in vLLM's spec-decode metrics): ``mean_acceptance_length`` counts the token the
+target adds on every verify pass, so it is ``(accepted + verify_steps) / verify_steps`` and is 1.0
+for plain decoding; ``acceptance_histogram[i]`` counts verify passes that accepted exactly ``i``
+draft tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    drafter: str | None = None  # name of the drafter used (None: plain decoding)
+    prompt_tokens: int = 0  # tokens in the request
+    cached_tokens: int = 0  # prompt tokens whose KV state was restored, not recomputed
+    prefill_tokens: int = 0  # prompt tokens the target computed in this call
+    output_tokens: int = 0  # tokens returned (after EOS / stop / length trimming)
+    draft_tokens: int = 0  # tokens proposed by the drafter and verified
+    accepted_tokens: int = 0  # of those, accepted by the target
+    verify_steps: int = 0  # target forward passes after prefill (each yields >= 1 token)
+    draft_failures: int = 0  # drafter exceptions survived by falling back to the target alone
+    acceptance_histogram: list[int] = field(default_factory=list)
+    time_to_first_token_s: float = 0.0
+    total_time_s: float = 0.0
+    finish_reason: str | None = None
+
+    def observe_step(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.acceptance_histogram) <= accepted:
+            self.acceptance_histogram.extend([0] * (accepted + 1 - len(self.acceptance_histogram)))
+        self.acceptance_histogram[accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        steps = self.verify_steps
+        return (self.accepted_tokens + steps) / steps if steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_acceptance_length"] = self.mean_acceptance_length
+        d["tokens_per_second"] = self.tokens_per_second
+        return d
