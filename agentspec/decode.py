@@ -137,8 +137,6 @@ def decode(
     eos = set(config.eos_token_ids) if config.eos_token_ids is not None else pair.eos_token_ids
     text = TextTracker(pair.tokenizer, config.stop, eos)
     gen = None if config.greedy else make_generator(config.seed, pair.device)
-    if drafter is not None:
-        drafter.reset()
 
     pending = target.sync(seq[:-1]) + seq[-1:]
     stats.cached_tokens = len(seq) - len(pending)
@@ -202,19 +200,54 @@ def _config(options: dict) -> GenerationConfig:
 
 
 def stream(
-    pair: ModelPair, prompt_ids: Any, drafter: Any = None, **options: Any
+    pair: ModelPair, prompt_ids: Any, drafter: Any = None, prefix_cache: Any = True, **options: Any
 ) -> Iterator[Step]:
     """Yield Steps as tokens are verified. Options are GenerationConfig fields (or ``config=``).
 
-    The pair's lock is held while the generator runs; close the generator to release it early.
+    ``prefix_cache``: True uses the pair's cache (restore the longest cached prefix, save the
+    verified state afterwards), False decodes from scratch (the no-reuse baseline, same loop), or
+    pass a ``PrefixCache``. The pair's lock is held while the generator runs; closing the generator
+    early releases it and still saves what was verified.
     """
     config = _config(options)
     d = resolve_drafter(pair, drafter, config.speculative)
+    cache = _pick_cache(pair, prefix_cache)
     with pair.lock:
-        yield from decode(pair, prompt_ids, config, d)
+        ids = check_prompt(pair, prompt_ids)
+        if d is not None:
+            d.reset()
+        models = {"target": pair.target}
+        if isinstance(d, ModelDrafter):
+            models["draft"] = d.state.model
+        states = cache.restore(pair, ids, models) if cache is not None else {}
+        target = states.get("target") or ModelState(pair.target)
+        if isinstance(d, ModelDrafter) and "draft" in states:
+            d.state = states["draft"]
+        try:
+            yield from decode(pair, ids, config, d, target=target)
+        finally:
+            if cache is not None:
+                saved = {"target": target}
+                if isinstance(d, ModelDrafter):
+                    saved["draft"] = d.state
+                cache.save(pair, saved)
 
 
-def generate(pair: ModelPair, prompt_ids: Any, drafter: Any = None, **options: Any) -> GenerationResult:
+def _pick_cache(pair: ModelPair, prefix_cache: Any):
+    from agentspec.cache import PrefixCache
+
+    if prefix_cache is True:
+        return pair.prefix_cache
+    if prefix_cache is False or prefix_cache is None:
+        return None
+    if isinstance(prefix_cache, PrefixCache):
+        return prefix_cache
+    raise TypeError(f"prefix_cache: expected True, False or a PrefixCache, got {prefix_cache!r}")
+
+
+def generate(
+    pair: ModelPair, prompt_ids: Any, drafter: Any = None, prefix_cache: Any = True, **options: Any
+) -> GenerationResult:
     """Generate to the end; returns ids, text, finish reason and stats.
 
     >>> pair = load_pair()
@@ -224,7 +257,7 @@ def generate(pair: ModelPair, prompt_ids: Any, drafter: Any = None, **options: A
     ids: list[int] = []
     parts: list[str] = []
     last = None
-    for last in stream(pair, prompt_ids, drafter, **options):
+    for last in stream(pair, prompt_ids, drafter, prefix_cache, **options):
         ids += last.tokens
         parts.append(last.text)
     assert last is not None and last.finish_reason is not None

@@ -179,6 +179,8 @@ class ModelPair:
     name: str = "model"
     draft_name: str | None = None
     key: tuple = field(default_factory=tuple)
+    # the cross-call KV cache shared by every call of this pair (None: no reuse)
+    prefix_cache: Any = None
     # serialises model access: one call decodes at a time per loaded pair
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
@@ -217,13 +219,15 @@ def load_pair(
     tokenizer: Any = None,
     device: str | torch.device | None = None,
     dtype: Any = None,
+    prefix_cache_bytes: int | None = None,
 ) -> ModelPair:
     """Load a target model and an optional draft model that shares its tokenizer.
 
     ``model`` and ``draft_model`` each take a hub id, a local folder, a path to a ``.gguf`` file or
     an already loaded transformers model (then pass ``tokenizer``). With ``model=None`` the
     embedded default SmolLM2-135M-Instruct is used. ``device`` defaults to CUDA when available,
-    else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU.
+    else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU. ``prefix_cache_bytes`` is the byte
+    budget of the pair's cross-call prefix cache (default: ``agentspec.cache.default_budget``).
     """
     dev = torch.device(device) if device is not None else default_device()
     dt = _resolve_dtype(dtype, dev)
@@ -241,5 +245,16 @@ def load_pair(
         draft, draft_tok = _load_one(draft_model, dev, dt)
         check_tokenizers(tok, draft_tok or tok)
         draft_name = str(getattr(draft_model, "name_or_path", draft_model))
-    key = (name, draft_name, str(dt), dev.type)
-    return ModelPair(target=target, tokenizer=tok, draft=draft, name=name, draft_name=draft_name, key=key)
+    from agentspec.cache import PrefixCache, default_budget
+
+    key = (name, draft_name, str(dt), str(dev))
+    cache = PrefixCache(default_budget(dev) if prefix_cache_bytes is None else prefix_cache_bytes)
+    return ModelPair(
+        target=target,
+        tokenizer=tok,
+        draft=draft,
+        name=name,
+        draft_name=draft_name,
+        key=key,
+        prefix_cache=cache,
+    )

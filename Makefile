@@ -1,0 +1,25 @@
+# The README's two commands: `make demo` (set up, then run the main job) and `make test`.
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-all lint bench
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(BIN)/agentspec demo
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# the default suite: everything but tests marked slow (about 10 minutes on 2 cores)
+test: setup lint
+	$(BIN)/python -m pytest -m "not slow"
+
+test-all: setup lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/bench_core.py

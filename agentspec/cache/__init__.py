@@ -1,0 +1,98 @@
+"""The cross-call prefix cache: keeps the verified KV state of target and draft between calls.
+
+An agent resends its growing conversation on every call. After a call, the KV state of the
+verified tokens (prompt + accepted output) of the target, and of the draft model when one was
+used, goes into a radix tree keyed by the token ids and namespaced by the model pair (names, dtype,
+device, and any ``extra`` key such as an adapter). The next call restores its longest cached
+prefix and prefills only the rest. Both models are restored to exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Mapping
+
+import torch
+from transformers import DynamicCache
+
+from agentspec.cache.radix import RadixCache, Segments
+from agentspec.kv import ModelState, common_prefix_len
+
+__all__ = ["PrefixCache", "RadixCache", "default_budget"]
+
+
+def default_budget(device: torch.device | None = None) -> int:
+    """20% of the memory free now on the device (GPU) or in RAM (CPU), at most 8 GiB."""
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.2)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on every platform
+        free = 4 << 30
+    return min(int(free * 0.2), 8 << 30)
+
+
+def _supports_reuse(cache: DynamicCache) -> bool:
+    # sliding-window and linear-attention layers do not keep every position: no prefix reuse
+    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+
+
+def _segments(state: ModelState, length: int) -> Segments:
+    return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in state.cache.layers]
+
+
+def _state(model, segments: Segments, ids: list[int]) -> ModelState:
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(segments):
+        cache.update(k, v, i)
+    return ModelState(model, cache, ids)
+
+
+class PrefixCache:
+    """A byte-budgeted radix tree of KV states shared by all calls of one loaded pair."""
+
+    def __init__(self, budget_bytes: int | None = None, extra_key: Hashable = None):
+        self.tree = RadixCache(default_budget() if budget_bytes is None else budget_bytes)
+        self.extra_key = extra_key
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.tree.budget
+
+    @property
+    def bytes_used(self) -> int:
+        return self.tree.bytes_used
+
+    def namespace(self, pair) -> Hashable:
+        return (pair.key, self.extra_key)
+
+    def restore(self, pair, ids: list[int], models: Mapping[str, object]) -> dict[str, ModelState]:
+        """ModelStates for each model, covering the longest cached prefix of ids[:-1].
+
+        The last prompt token is always left to feed: its logits give the first output token.
+        """
+        states = {name: ModelState(model) for name, model in models.items()}
+        if not all(_supports_reuse(s.cache) for s in states.values()):
+            return states
+        n, segs = self.tree.lookup(self.namespace(pair), ids[:-1], list(models))
+        if n == 0:
+            return states
+        return {name: _state(model, segs[name], ids[:n]) for name, model in models.items()}
+
+    def save(self, pair, states: Mapping[str, ModelState]) -> None:
+        """Record the verified tokens each state covers (the draft: only what matches the target)."""
+        target = states["target"]
+        if not target.ids or not _supports_reuse(target.cache):
+            return
+        ns = self.namespace(pair)
+        self.tree.insert(ns, target.ids, "target", _segments(target, len(target.ids)))
+        for name, state in states.items():
+            if name == "target" or not _supports_reuse(state.cache):
+                continue
+            n = common_prefix_len(state.ids, target.ids)  # draft positions past n are unverified
+            if n:
+                self.tree.insert(ns, target.ids[:n], name, _segments(state, n))
+
+    def clear(self) -> None:
+        self.tree.evict_all()

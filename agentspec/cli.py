@@ -1,0 +1,84 @@
+"""`agentspec` command line: fetch the default model, answer a prompt, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEMO_PROMPT = (
+    "Here is the result of the tool `get_order`:\n"
+    '{"order_id": "A-10293", "status": "shipped", "carrier": "DHL", "tracking": "JD014600003451", '
+    '"items": [{"sku": "KB-87", "name": "mechanical keyboard", "qty": 1}, '
+    '{"sku": "MS-12", "name": "wireless mouse", "qty": 2}]}\n'
+    "Tell the customer the status of order A-10293, its carrier and tracking number, and list the items."
+)
+
+
+def _chat_ids(pair, prompt: str) -> list[int]:
+    messages = [{"role": "user", "content": prompt}]
+    out = pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from agentspec.models import ensure_default_model
+
+    print(f"default model ready at {ensure_default_model()}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Answer a prompt with the pair, plain and speculative, and print the speed-up."""
+    from agentspec import generate, load_pair
+
+    pair = load_pair(args.model, args.draft_model)
+    ids = _chat_ids(pair, args.prompt)
+    opts = dict(max_new_tokens=args.max_tokens, num_draft_tokens=args.draft_tokens)
+    generate(pair, ids[:8], max_new_tokens=2)  # warm-up: first calls pay one-off costs
+    t0 = time.perf_counter()
+    plain = generate(pair, ids, speculative=False, **opts)
+    t_plain = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    spec = generate(pair, ids, drafter=args.drafter, **opts)
+    t_spec = time.perf_counter() - t0
+    print(spec.text)
+    print("-" * 72)
+    s = spec.stats
+    print(f"plain decoding:       {len(plain.token_ids)} tokens in {t_plain:.2f} s")
+    print(
+        f"speculative ({s.drafter}): {len(spec.token_ids)} tokens in {t_spec:.2f} s, "
+        f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_acceptance_length:.2f}"
+    )
+    same = plain.token_ids == spec.token_ids
+    print(f"speed-up: {t_plain / t_spec:.2f}x   identical output: {same}")
+    return 0 if same else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("fetch", help="download and convert the embedded default model").set_defaults(
+        func=cmd_fetch
+    )
+    for name, help_ in (
+        ("generate", "answer a prompt, plain and speculative, and print the speed-up"),
+        ("demo", "the main job: answer the demo prompt with the default pair"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        if name == "generate":
+            p.add_argument("prompt")
+        else:
+            p.set_defaults(prompt=DEMO_PROMPT)
+        p.add_argument("--model", default=None, help="target: hub id, folder or .gguf (default: embedded)")
+        p.add_argument("--draft-model", default=None, help="draft model (default: none, prompt lookup)")
+        p.add_argument("--drafter", default="auto", help="auto, model, prompt_lookup or none")
+        p.add_argument("--max-tokens", type=int, default=96)
+        p.add_argument("--draft-tokens", type=int, default=5)
+        p.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
