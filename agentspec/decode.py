@@ -225,6 +225,8 @@ def stream(
             d.state = states["draft"]
         try:
             yield from decode(pair, ids, config, d, target=target)
+            if cache is not None and isinstance(d, ModelDrafter):
+                d.catch_up(target.ids)  # the draft then covers the same verified tokens
         finally:
             if cache is not None:
                 saved = {"target": target}

@@ -53,6 +53,16 @@ class ModelDrafter:
             pending = [token]
         return Draft(tokens, torch.stack(qs) if qs else None)
 
+    def catch_up(self, ids: list[int], limit: int = 16) -> None:
+        """Feed the few verified tokens the draft has not seen, so it covers ``ids`` like the target.
+
+        Called when a call ends, before its state is saved to the prefix cache. A longer gap (the
+        draft was reset after a failure) is left alone: the cache then keeps the draft's shorter part.
+        """
+        pending = self.state.sync(ids)
+        if 0 < len(pending) <= limit:
+            self.state.forward(pending, keep=1)
+
     def feedback(self, seq, n_accepted, n_drafted) -> None:
         pass  # the next propose() syncs the cache to the verified sequence
 

@@ -1,0 +1,264 @@
+"""The cross-call prefix cache: same outputs as without it, budget kept, safe under threads."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import agentspec
+from agentspec.cache import PrefixCache, RadixCache
+from agentspec.models import ModelPair
+
+VOCAB = 64
+
+
+class ByteTok:
+    """Enough of a tokenizer for the loop: ids decode to space-separated numbers."""
+
+    eos_token_id = 1
+
+    def decode(self, ids, **_):
+        return " ".join(map(str, ids))
+
+
+def tiny(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny models gain nothing from threads, and oversubscribed cores slow them tenfold
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny(0), tiny(1)
+
+
+def make_pair(models, budget=10**8) -> ModelPair:
+    target, draft = models
+    return ModelPair(
+        target=target,
+        draft=draft,
+        tokenizer=ByteTok(),
+        key=("tiny-target", "tiny-draft"),
+        prefix_cache=PrefixCache(budget),
+    )
+
+
+OPTS = dict(max_new_tokens=10, num_draft_tokens=3, eos_token_ids=frozenset())
+
+
+def conversation(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(2, VOCAB) for _ in range(length)]
+
+
+@pytest.mark.parametrize("drafter", ["model", "prompt_lookup", "none"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_cache_gives_same_output_as_no_cache(models, drafter, temperature):
+    pair = make_pair(models)
+    rng = random.Random(hash((drafter, temperature)) % 1000)
+    base = conversation(rng, 40)
+    first = agentspec.generate(pair, base, drafter, temperature=temperature, seed=1, **OPTS)
+    answer = first.token_ids
+    # name -> prompt; each is checked with and without the cache, in this order
+    calls = [
+        ("grown conversation", base + answer + conversation(rng, 7)),
+        ("prefix ends mid-answer", base + answer[: len(answer) // 2]),
+        ("strict prefix of a cached one", base[:25]),
+        ("diverges at the first token", [(base[0] + 1) % (VOCAB - 2) + 2] + base[1:]),
+        ("repeat of an earlier prompt", base),
+        ("one-token prompt", base[:1]),
+    ]
+    for i, (name, prompt) in enumerate(calls):
+        kw = dict(temperature=temperature, seed=10 + i, **OPTS)
+        cached = agentspec.generate(pair, prompt, drafter, **kw)
+        fresh = agentspec.generate(pair, prompt, drafter, prefix_cache=False, **kw)
+        assert cached.token_ids == fresh.token_ids, f"{name}: {cached.token_ids=} {fresh.token_ids=}"
+        assert fresh.stats.cached_tokens == 0
+    pair.prefix_cache.tree.check()
+
+
+def test_cache_read_counts_follow_the_tree(models):
+    pair = make_pair(models)
+    rng = random.Random(7)
+    prompt = conversation(rng, 50)
+    r1 = agentspec.generate(pair, prompt, "none", **OPTS)
+    assert r1.stats.cached_tokens == 0 and r1.stats.prefill_tokens == 50
+    # the cache holds the prompt and the verified answer except its last token (never fed)
+    grown = prompt + r1.token_ids + conversation(rng, 5)
+    r2 = agentspec.generate(pair, grown, "none", **OPTS)
+    expected = len(prompt) + len(r1.token_ids) - 1
+    assert r2.stats.cached_tokens == expected, f"{r2.stats.cached_tokens=} {expected=}"
+    assert r2.stats.prefill_tokens == len(grown) - expected
+    # a strict prefix restores all of it but its last token, which must be fed for its logits
+    r3 = agentspec.generate(pair, prompt[:30], "none", **OPTS)
+    assert r3.stats.cached_tokens == 29
+
+
+def test_draft_and_target_restored_to_the_same_tokens(models):
+    pair = make_pair(models)
+    rng = random.Random(3)
+    prompt = conversation(rng, 30)
+    r1 = agentspec.generate(pair, prompt, "model", **OPTS)
+    n, segs = pair.prefix_cache.tree.lookup(
+        pair.prefix_cache.namespace(pair), prompt + r1.token_ids, ["target", "draft"]
+    )
+    assert n == len(prompt) + len(r1.token_ids) - 1
+    assert segs["target"][0][0].shape[2] == segs["draft"][0][0].shape[2] == n
+    # a call without the draft model reuses the target's entries alone
+    r2 = agentspec.generate(pair, prompt + r1.token_ids, "prompt_lookup", **OPTS)
+    assert r2.stats.cached_tokens == n
+
+
+def test_budget_is_never_exceeded(models):
+    budget = 200_000  # a 2-layer tiny model stores 1 KiB per token: room for ~200 tokens
+    pair = make_pair(models, budget=budget)
+    rng = random.Random(11)
+    for i in range(200):
+        prompt = conversation(rng, rng.randrange(5, 60))
+        agentspec.generate(pair, prompt, "none", max_new_tokens=2, eos_token_ids=frozenset())
+        measured = sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size()
+            for node in pair.prefix_cache.tree._nodes()
+            for seg in node.kv.values()
+            for k, v in seg
+        )
+        assert measured <= budget, f"call {i}: {measured=} > {budget=}"
+        assert measured == pair.prefix_cache.bytes_used
+    assert pair.prefix_cache.tree.evictions > 0
+    pair.prefix_cache.tree.check()
+
+
+def test_abandoned_stream_leaves_cache_usable(models):
+    pair = make_pair(models)
+    rng = random.Random(5)
+    prompt = conversation(rng, 40)
+    it = agentspec.stream(pair, prompt, "model", max_new_tokens=30, num_draft_tokens=3)
+    got = []
+    for step in it:
+        got += step.tokens
+        if len(got) >= 3:
+            break
+    it.close()  # abandoned after 3+ tokens: the lock is released, what was verified is saved
+    pair.prefix_cache.tree.check()
+    cached = agentspec.generate(pair, prompt + got, "model", **OPTS)
+    fresh = agentspec.generate(pair, prompt + got, "model", prefix_cache=False, **OPTS)
+    assert cached.token_ids == fresh.token_ids
+    assert cached.stats.cached_tokens >= len(prompt)
+
+
+def test_failed_call_leaves_cache_consistent(models):
+    pair = make_pair(models)
+    prompt = conversation(random.Random(2), 20)
+    with pytest.raises(ValueError, match="temperature"):
+        agentspec.generate(pair, prompt, temperature=-1.0)
+    with pytest.raises(ValueError, match="prompt"):
+        agentspec.generate(pair, [VOCAB + 5])
+    r = agentspec.generate(pair, prompt, **OPTS)
+    assert r.token_ids == agentspec.generate(pair, prompt, prefix_cache=False, **OPTS).token_ids
+    pair.prefix_cache.tree.check()
+
+
+def test_threads_share_one_pair(models):
+    pair = make_pair(models, budget=150_000)
+    rng = random.Random(9)
+    system = conversation(rng, 30)
+    prompts = [system + conversation(rng, rng.randrange(1, 20)) for _ in range(40)]
+    expected = [
+        agentspec.generate(pair, p, "model", prefix_cache=False, **OPTS).token_ids for p in prompts
+    ]
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(w, len(prompts), 8):  # 8 threads x 5 calls
+                if i % 2:
+                    results[i] = agentspec.generate(pair, prompts[i], "model", **OPTS).token_ids
+                else:
+                    steps = agentspec.stream(pair, prompts[i], "model", **OPTS)
+                    results[i] = [t for s in steps for t in s.tokens]
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), "deadlock"
+    assert not errors, errors
+    for i, exp in enumerate(expected):
+        assert results[i] == exp, f"call {i}"
+    assert pair.prefix_cache.bytes_used <= 150_000
+    pair.prefix_cache.tree.check()
+
+
+# --- the radix tree alone, against a simple reference model -------------------------------------
+
+
+def fake_kv(ids: list[int], layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """KV whose value at position i is ids[i]: a restored segment must spell the ids back."""
+    x = torch.tensor(ids, dtype=torch.float32).view(1, 1, -1, 1)
+    return [(x.clone(), -x.clone()) for _ in range(layers)]
+
+
+seqs = st.lists(st.integers(0, 4), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "lookup"]), seqs), min_size=1, max_size=25))
+def test_radix_tree_matches_reference(ops):
+    tree = RadixCache(budget_bytes=10**9)  # no eviction: the reference keeps everything
+    stored: list[list[int]] = []
+    for op, ids in ops:
+        if op == "insert":
+            tree.insert("ns", ids, "target", fake_kv(ids))
+            stored.append(ids)
+        else:
+            n, segs = tree.lookup("ns", ids, ["target"])
+            best = max(
+                (next((i for i, (a, b) in enumerate(zip(s, ids)) if a != b), min(len(s), len(ids))))
+                for s in stored
+            ) if stored else 0
+            assert n == best, f"{ids=} {n=} {best=} {stored=}"
+            if n:
+                assert segs["target"][0][0].flatten().tolist() == ids[:n]
+        tree.check()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(seqs, min_size=1, max_size=30), st.integers(0, 400))
+def test_radix_tree_budget_and_eviction(inserts, budget):
+    tree = RadixCache(budget_bytes=budget)
+    for ids in inserts:
+        tree.insert("ns", ids, "target", fake_kv(ids))
+        assert tree.bytes_used <= budget, f"{tree.bytes_used=} {budget=}"
+        tree.check()
+        n, segs = tree.lookup("ns", ids, ["target"])
+        if n:  # whatever survived eviction still spells the right ids
+            assert segs["target"][0][0].flatten().tolist() == ids[:n]
