@@ -188,9 +188,7 @@ def test_threads_share_one_pair(models):
     rng = random.Random(9)
     system = conversation(rng, 30)
     prompts = [system + conversation(rng, rng.randrange(1, 20)) for _ in range(40)]
-    expected = [
-        agentspec.generate(pair, p, "model", prefix_cache=False, **OPTS).token_ids for p in prompts
-    ]
+    expected = [agentspec.generate(pair, p, "model", prefix_cache=False, **OPTS).token_ids for p in prompts]
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
 
@@ -241,10 +239,14 @@ def test_radix_tree_matches_reference(ops):
             stored.append(ids)
         else:
             n, segs = tree.lookup("ns", ids, ["target"])
-            best = max(
-                (next((i for i, (a, b) in enumerate(zip(s, ids)) if a != b), min(len(s), len(ids))))
-                for s in stored
-            ) if stored else 0
+            best = (
+                max(
+                    (next((i for i, (a, b) in enumerate(zip(s, ids)) if a != b), min(len(s), len(ids))))
+                    for s in stored
+                )
+                if stored
+                else 0
+            )
             assert n == best, f"{ids=} {n=} {best=} {stored=}"
             if n:
                 assert segs["target"][0][0].flatten().tolist() == ids[:n]

@@ -1,0 +1,179 @@
+"""A scripted multi-turn agent conversation over a long system prompt, shared by the benchmarks.
+
+The system prompt carries an inventory agent's policies and tool schemas (about 1,100 tokens with
+SmolLM2's tokenizer); the turns alternate user requests and tool results, as an agent loop sends
+them. The model's own answers are appended between calls, so each call's prompt extends the last.
+"""
+
+from __future__ import annotations
+
+import json
+
+TOOLS = [
+    {
+        "name": "lookup_item",
+        "description": "Find an item in the warehouse inventory by SKU or by name.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "sku": {"type": "string", "description": "Stock keeping unit, e.g. KB-87"},
+                "name": {"type": "string", "description": "Free-text item name"},
+                "warehouse": {"type": "string", "enum": ["north", "south", "east"]},
+            },
+        },
+    },
+    {
+        "name": "reserve_stock",
+        "description": "Reserve a quantity of an item for an order; fails if stock is short.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "sku": {"type": "string"},
+                "quantity": {"type": "integer", "minimum": 1},
+                "order_id": {"type": "string"},
+            },
+            "required": ["sku", "quantity", "order_id"],
+        },
+    },
+    {
+        "name": "list_orders",
+        "description": "List the open orders of a customer, newest first.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "customer_id": {"type": "string"},
+                "status": {"type": "string", "enum": ["open", "shipped", "cancelled"]},
+                "limit": {"type": "integer", "default": 10},
+            },
+            "required": ["customer_id"],
+        },
+    },
+    {
+        "name": "create_shipment",
+        "description": "Create a shipment for reserved stock with a carrier and service level.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "order_id": {"type": "string"},
+                "carrier": {"type": "string", "enum": ["DHL", "UPS", "FedEx"]},
+                "service": {"type": "string", "enum": ["standard", "express", "overnight"]},
+                "address": {"type": "string"},
+            },
+            "required": ["order_id", "carrier"],
+        },
+    },
+]
+
+POLICIES = """\
+You are StockBot, the operations assistant of a mid-sized electronics retailer. You help staff
+check stock, reserve items for orders, follow up on customer orders and arrange shipments.
+
+Rules you always follow:
+1. Never invent stock levels, prices, order numbers or tracking numbers. Use the tools, and quote
+   the tool results exactly, including SKUs and identifiers.
+2. Before reserving stock, confirm the SKU and the quantity with a lookup. If the stock is short,
+   say how many units are available and in which warehouse, and propose a partial reservation.
+3. Orders above 20 units of a single SKU need a manager's approval: say so and stop.
+4. Shipments to addresses outside the EU use FedEx; inside the EU, DHL standard unless the order is
+   marked urgent, then DHL express. Overnight service is only for orders placed before 14:00.
+5. When a customer has several open orders, list them newest first with their order id, date,
+   status and total, one per line.
+6. Keep answers short and factual. Use bullet points for lists of items. Do not apologise.
+7. If a tool returns an error, report the error message verbatim and suggest the next step.
+8. Warehouses: north (Hamburg), south (Munich), east (Leipzig). Transfers between warehouses take
+   two working days and must be requested from the logistics team, not through the tools.
+9. Prices are in euros and include VAT. Discounts are never granted by the assistant.
+10. Customer data is confidential: never show a customer's address to another customer.
+
+Tool call format: answer with <tool_call>{"name": ..., "arguments": {...}}</tool_call> when you
+need a tool, then wait for the result, which arrives as a message with the role "tool".
+
+Available tools (JSON schema):
+"""
+
+SYSTEM_PROMPT = (
+    POLICIES
+    + "\n".join(json.dumps(t, indent=1) for t in TOOLS)
+    + """
+
+Examples of good answers:
+- "KB-87 (mechanical keyboard): 42 in north, 3 in south. Reserved 2 for order A-10293."
+- "Order A-10293 shipped with DHL express, tracking JD014600003451."
+- "Stock is short: 3 units of MS-12 in south, none elsewhere. Reserve 3 now and back-order 2?"
+Glossary: SKU = stock keeping unit; ETA = estimated time of arrival; RMA = return authorisation;
+back-order = an order line waiting for stock; pick list = the list a warehouse uses to collect
+items; cut-off = the latest time for same-day dispatch (16:00 in every warehouse).
+"""
+)
+
+TURNS = [
+    ("user", "How many KB-87 keyboards do we have, and where?"),
+    (
+        "tool",
+        json.dumps(
+            {
+                "sku": "KB-87",
+                "name": "mechanical keyboard",
+                "price": 89.0,
+                "stock": {"north": 42, "south": 3, "east": 0},
+            }
+        ),
+    ),
+    ("user", "Reserve 2 of them for order A-10293."),
+    (
+        "tool",
+        json.dumps(
+            {
+                "ok": True,
+                "reservation": "R-55120",
+                "sku": "KB-87",
+                "quantity": 2,
+                "order_id": "A-10293",
+                "warehouse": "north",
+            }
+        ),
+    ),
+    ("user", "What other open orders does customer C-884 have?"),
+    (
+        "tool",
+        json.dumps(
+            {
+                "orders": [
+                    {"order_id": "A-10293", "date": "2026-11-28", "status": "open", "total": 178.0},
+                    {"order_id": "A-10177", "date": "2026-11-20", "status": "open", "total": 45.5},
+                    {"order_id": "A-09981", "date": "2026-11-02", "status": "open", "total": 312.9},
+                ]
+            }
+        ),
+    ),
+    ("user", "Ship A-10293 to Berlin, it is urgent."),
+    (
+        "tool",
+        json.dumps(
+            {
+                "ok": True,
+                "shipment": "S-7781",
+                "carrier": "DHL",
+                "service": "express",
+                "tracking": "JD014600003451",
+                "eta": "2026-12-01",
+            }
+        ),
+    ),
+]
+
+
+def messages_for_call(n: int, answers: list[str]) -> list[dict]:
+    """The message list an agent sends on call n (0-based), given the model's earlier answers."""
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for i in range(n + 1):
+        role, content = TURNS[i]
+        msgs.append({"role": role, "content": content})
+        if i < n:
+            msgs.append({"role": "assistant", "content": answers[i]})
+    return msgs
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    return list(out["input_ids"])
