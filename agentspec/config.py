@@ -42,6 +42,8 @@ class GenerationConfig:
             _check_int("top_k", self.top_k, low=1)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
+            if self.seed >= 2**64:
+                raise ValueError(f"seed must be < 2**64, got {self.seed}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop: every stop sequence must be a string, got {type(s).__name__}")

@@ -12,6 +12,7 @@ Row i of that pass's logits scores draft token i; row k gives the bonus token.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,8 +87,14 @@ def check_prompt(pair: ModelPair, prompt_ids: Any) -> list[int]:
     if not ids:
         raise ValueError("prompt_ids is empty: the prompt needs at least one token")
     vocab = pair.target.config.vocab_size
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+    for j, i in enumerate(ids):
+        if isinstance(i, bool):
+            raise ValueError(f"prompt_ids: {i!r} is not a token id in [0, {vocab})")
+        try:
+            ids[j] = i = operator.index(i)  # ints, numpy integers, 0-d integer tensors
+        except TypeError:
+            raise ValueError(f"prompt_ids: {i!r} is not a token id in [0, {vocab})") from None
+        if not 0 <= i < vocab:
             raise ValueError(f"prompt_ids: {i!r} is not a token id in [0, {vocab})")
     if len(ids) >= pair.max_context:
         raise ValueError(
@@ -95,6 +102,33 @@ def check_prompt(pair: ModelPair, prompt_ids: Any) -> list[int]:
             f"{pair.max_context}; shorten the prompt"
         )
     return ids
+
+
+def check_draft(draft: Draft, k: int, vocab: int) -> Draft:
+    """Validate a drafter's proposal; a ValueError here counts as a drafter failure."""
+    tokens = [int(t) for t in draft.tokens[:k]]
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"draft token ids outside [0, {vocab}): {bad[:5]}")
+    q = draft.q
+    if q is not None:
+        q = q[: len(tokens)]
+        if tuple(q.shape) != (len(tokens), vocab):
+            raise ValueError(f"draft q has shape {tuple(q.shape)}, expected {(len(tokens), vocab)}")
+        if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+            raise ValueError("draft q has negative or non-finite probabilities")
+    return Draft(tokens, q)
+
+
+def _drop(drafter: Drafter, exc: Exception, stats: DecodeStats) -> None:
+    """Log a drafter failure and drop the drafter for the rest of the call."""
+    log.warning("drafter %s failed (%r); continuing with the target alone", drafter.name, exc)
+    stats.draft_failures += 1
+    try:
+        drafter.reset()
+    except Exception:  # a drafter that cannot even reset is simply not used again
+        log.exception("drafter %s failed to reset", drafter.name)
+    return None
 
 
 def _finish(
@@ -151,13 +185,10 @@ def decode(
         draft = Draft([])
         if drafter is not None and k > 0:
             try:
-                draft = drafter.propose(seq, k, config, gen)
-                draft.tokens = draft.tokens[:k]
+                draft = check_draft(drafter.propose(seq, k, config, gen), k, vocab)
             except Exception as exc:  # the target alone gives the same output: carry on without
-                log.warning("drafter %s failed (%r); continuing with the target alone", drafter.name, exc)
-                stats.draft_failures += 1
-                drafter.reset()
-                drafter, draft = None, Draft([])
+                drafter = _drop(drafter, exc, stats)
+                draft = Draft([])
         n_draft = len(draft.tokens)
         prefill = len(pending) - 1
         logits = target.forward(pending + draft.tokens, keep=n_draft + 1)  # [k+1, V]
@@ -176,7 +207,10 @@ def decode(
         out += new
         seq += new
         if drafter is not None:
-            drafter.feedback(seq, n, n_draft)
+            try:
+                drafter.feedback(seq, n, n_draft)
+            except Exception as exc:
+                drafter = _drop(drafter, exc, stats)
         now = time.perf_counter()
         if len(out) == len(new):
             stats.time_to_first_token_s = now - start
@@ -215,7 +249,11 @@ def stream(
     with pair.lock:
         ids = check_prompt(pair, prompt_ids)
         if d is not None:
-            d.reset()
+            try:
+                d.reset()
+            except Exception as exc:
+                log.warning("drafter %s failed to reset (%r); decoding without it", d.name, exc)
+                d = None
         models = {"target": pair.target}
         if isinstance(d, ModelDrafter):
             models["draft"] = d.state.model

@@ -21,7 +21,10 @@ def probabilities(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to build a distribution, got {temperature}")
-    scores = logits.float() / temperature
+    scores = logits.float()
+    # subtract the max first: with a tiny temperature the division would overflow to inf - inf = NaN;
+    # this way the argmax gets score 0 and the distribution tends to one-hot, as it should
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [..., 1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

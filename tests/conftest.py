@@ -1,0 +1,156 @@
+"""Shared fixtures for the decoding-core tests: tiny random Llama models and a fake tokenizer.
+
+Everything here runs on a CPU with no downloads. Models are built from a ``LlamaConfig`` under a
+fixed ``torch.manual_seed``, so every test sees the same weights on every run. Helpers that tests
+call directly are exposed as fixtures (``hf_greedy``, ``tiny_llama``) rather than imported, so the
+test files work whatever import mode pytest uses.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agentspec.models import ModelPair
+
+VOCAB = 64  # vocabulary of the greedy-equivalence models
+MAX_POSITIONS = 128  # their context window (max_position_embeddings)
+
+
+class FakeTokenizer:
+    """The two things the decoding loop asks of a tokenizer: ``eos_token_id`` and ``decode``.
+
+    Token ``i`` decodes to ``pieces[i]``; by default ``"t{i} "``, so every id has its own text and
+    no piece is a substring of another piece's start (stop strings can be written from ids).
+    """
+
+    def __init__(self, vocab_size: int = VOCAB, eos_token_id: int | None = None, pieces=None):
+        self.eos_token_id = eos_token_id
+        self.pieces = list(pieces) if pieces is not None else [f"t{i} " for i in range(vocab_size)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def build_llama(
+    seed: int,
+    vocab_size: int = VOCAB,
+    *,
+    hidden: int = 32,
+    layers: int = 2,
+    max_positions: int = MAX_POSITIONS,
+    logit_scale: float = 1.0,
+) -> LlamaForCausalLM:
+    """A random Llama; ``logit_scale`` multiplies the LM head (random inits give near-uniform p)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=None,
+        eos_token_id=None,  # no EOS unless a test asks for one
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+def noisy_copy(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCausalLM:
+    """The model with Gaussian noise (``noise`` x each tensor's std) added: a draft that mostly agrees.
+
+    A draft that is a second random model almost never agrees with the target, so long drafts would
+    never be accepted and the accept paths of the loop would go untested.
+    """
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+    return draft
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one thread (no sync overhead, no fight for busy cores).
+
+    Module-scoped so that module fixtures which run models (references, exact distributions) can
+    depend on it too; the setting is restored after the module.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """The model builder, for tests that need a model of their own (a vocabulary, a context...)."""
+    return build_llama
+
+
+@pytest.fixture(scope="session")
+def perturbed():
+    """``noisy_copy``: a draft model that mostly agrees with a given target."""
+    return noisy_copy
+
+
+@pytest.fixture(scope="session")
+def fake_tokenizer():
+    """The FakeTokenizer class, for tests that need one with their own EOS or pieces."""
+    return FakeTokenizer
+
+
+@pytest.fixture(scope="session")
+def target() -> LlamaForCausalLM:
+    return build_llama(0)
+
+
+@pytest.fixture(scope="session")
+def draft(target) -> LlamaForCausalLM:
+    # noise 0.07 accepts ~85% of 1-token drafts, ~55% of 8-token drafts' tokens: every path runs
+    return noisy_copy(target, seed=1, noise=0.07)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> FakeTokenizer:
+    return FakeTokenizer()
+
+
+@pytest.fixture(scope="session")
+def pair(target, draft, tokenizer) -> ModelPair:
+    """Target + draft of one vocabulary, no EOS (tests that want one pass ``eos_token_ids``)."""
+    return ModelPair(target=target, draft=draft, tokenizer=tokenizer, name="tiny")
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """transformers' own greedy decoding: the reference every speculative output must equal.
+
+    Results are memoised per (model, prompt, max_new_tokens, eos): several tests share references.
+    """
+    memo: dict[tuple, list[int]] = {}
+
+    @torch.inference_mode()
+    def run(model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+        key = (id(model), tuple(prompt), max_new_tokens, eos_token_id)
+        if key not in memo:
+            x = torch.tensor([prompt])
+            config = transformers.GenerationConfig(
+                do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0
+            )
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
+            memo[key] = out[0, len(prompt) :].tolist()
+        return list(memo[key])
+
+    return run
