@@ -8,7 +8,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	$(BIN)/agentspec demo
+	$(BIN)/python examples/agent_demo.py
 
 lint:
 	$(BIN)/ruff check .

@@ -25,6 +25,17 @@ __all__ = [
     "generate",
     "load_pair",
     "stream",
+    "ChatSpecDecode",
 ]
+
+
+def __getattr__(name: str):
+    # the LangChain chat model lives in integrations/ and needs langchain-core: import it on use
+    if name == "ChatSpecDecode":
+        from integrations.langchain import ChatSpecDecode
+
+        return ChatSpecDecode
+    raise AttributeError(f"module 'agentspec' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"

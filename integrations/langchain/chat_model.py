@@ -1,0 +1,525 @@
+"""``ChatSpecDecode``: a LangChain chat model over agentspec's decoding loop.
+
+One path: ``_stream`` renders the messages, runs ``agentspec.stream`` and turns its steps into
+chunks; ``_generate`` only aggregates ``_stream`` (so tool calls, usage and metadata are the same
+on both), and ``_astream`` runs ``_stream`` on one worker thread (the pair's lock must be released
+by the thread that took it, which LangChain's default per-chunk executor hop does not guarantee).
+
+Chunks: text as soon as the verified tokens make it safe to show (never tool-call markup: text is
+held back while a ``<tool_call>`` may be starting); each tool call as one indexed
+``tool_call_chunk`` once its block closes; a last chunk with ``chunk_position="last"`` carrying
+``usage_metadata`` (``input_token_details.cache_read`` = prompt tokens restored from the prefix
+cache) and ``response_metadata``: ``model_name``, ``finish_reason`` and ``speculative`` (drafter,
+draft and accepted tokens, verify steps, acceptance rate, mean acceptance length counting the bonus
+token, acceptance histogram by accepted count), plus ``stats``, the full ``DecodeStats`` record,
+and ``tool_call_errors`` ({id: why}) when a call was invalid: LangChain rebuilds a streamed
+message's invalid tool calls from its chunks and leaves their ``error`` empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import functools
+import inspect
+import json
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.chat_models import LangSmithParams, generate_from_stream
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+
+import agentspec
+from agentspec.config import GenerationConfig
+from agentspec.decode import DRAFTER_NAMES
+from agentspec.drafters import Drafter
+from agentspec.models import DEFAULT_NAME, ModelPair
+from agentspec.stats import DecodeStats
+from integrations.langchain.messages import Prompt, render
+from integrations.langchain.tool_parsing import OPEN, ToolCallSplitter
+
+# Arguments LangChain's standard tests and callers pass to any chat model; meaningless for a local
+# model, so they are accepted and dropped. Any other unknown argument is an error (a typo would
+# otherwise silently load the default model).
+_IGNORED_INIT_ARGS = {"api_key", "timeout", "max_retries", "streaming", "base_url", "callback_manager"}
+# Per-call arguments LangChain itself may add; dropped.
+_IGNORED_CALL_ARGS = {"stream", "ls_structured_output_format", "structured_output_format"}
+_CALL_OVERRIDES = {
+    "temperature", "top_p", "top_k", "max_tokens", "seed", "speculative", "max_draft_tokens",
+    "drafter", "prefix_cache",
+}  # fmt: skip
+
+# Pairs loaded by ChatSpecDecode instances, keyed by what was asked for: instances with the same
+# model, draft model, device and dtype share one set of weights (and one prefix cache).
+_PAIRS: weakref.WeakValueDictionary[tuple, ModelPair] = weakref.WeakValueDictionary()
+_PAIRS_LOCK = threading.Lock()
+
+
+def shared_pair(model: str | None, draft_model: str | None, device: str | None, dtype: str | None):
+    """``load_pair`` once per distinct request in this process; later calls get the same pair."""
+    key = (model, draft_model, device, dtype)
+    with _PAIRS_LOCK:
+        pair = _PAIRS.get(key)
+        if pair is None:
+            pair = agentspec.load_pair(model, draft_model, device=device, dtype=dtype)
+            _PAIRS[key] = pair
+        return pair
+
+
+@functools.cache
+def _core_accepts(option: str) -> bool:
+    """Whether ``agentspec.stream`` takes ``option`` (as a parameter or a GenerationConfig field)."""
+    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+    return option in fields or option in inspect.signature(agentspec.stream).parameters
+
+
+def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:
+    return {
+        "drafter": stats.drafter,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "verify_steps": stats.verify_steps,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_acceptance_length": stats.mean_acceptance_length,
+        "acceptance_histogram": list(stats.acceptance_histogram),
+    }
+
+
+def normalise_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
+    """None/"auto" (the model decides), "none", "any" (some tool; also "required"/True), or a name."""
+    if isinstance(tool_choice, dict):  # OpenAI form {"type": "function", "function": {"name": ...}}
+        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if tool_choice is None or tool_choice == "auto" or tool_choice is False:
+        return None
+    if tool_choice is True or tool_choice in ("any", "required"):
+        if not names:
+            raise ValueError(f"tool_choice={tool_choice!r} needs at least one tool")
+        return "any"
+    if tool_choice == "none":
+        return "none"
+    if isinstance(tool_choice, str) and tool_choice in names:
+        return tool_choice
+    raise ValueError(
+        f"tool_choice: expected None, 'auto', 'none', 'any', 'required' or one of the bound tool "
+        f"names {list(names)}, got {tool_choice!r}"
+    )
+
+
+def _count_calls(events: list) -> int:
+    return sum(kind == "call" for kind, _ in events)
+
+
+def _chunk_of_call(call: dict, index: int) -> dict:
+    """A whole call as one indexed tool_call_chunk (invalid ones keep their raw text as args)."""
+    valid = call["type"] == "tool_call"
+    args = json.dumps(call["args"], ensure_ascii=False) if valid else call["args"]
+    return tool_call_chunk(name=call["name"], args=args, id=call["id"], index=index)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One request, prepared: what ``_stream`` runs."""
+
+    pair: ModelPair
+    prompt: Prompt
+    options: dict[str, Any]  # agentspec.stream options (GenerationConfig fields, prefix_cache)
+    drafter: Any
+    names: set[str] | None  # bound tool names; None = no tool parsing
+    single: bool  # one call wanted (a named tool, or parallel_tool_calls=False): stop after it
+
+
+class ChatSpecDecode(BaseChatModel):
+    """Local chat model with lossless speculative decoding and prefix KV reuse, for agents.
+
+    Greedy output (``temperature=0``, the default) is token for token what the target model alone
+    would write; sampled output has the same distribution. Weights load on first use, so building
+    the object is cheap; pass ``pair=`` to share one loaded pair (weights and prefix cache) between
+    several instances.
+
+    ```python
+    from agentspec import ChatSpecDecode
+
+    llm = ChatSpecDecode()  # the embedded SmolLM2-135M-Instruct, prompt-lookup drafts
+    llm.invoke("What is the capital of France?")
+    llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?").tool_calls
+    ```
+    """
+
+    model: str | None = None
+    """Target model: a Hugging Face hub id, a local folder or a ``.gguf`` file. None: the embedded
+    default, SmolLM2-135M-Instruct."""
+
+    draft_model: str | None = None
+    """A smaller model with the same tokenizer that proposes tokens for the target to verify.
+    None: no draft model (the default drafter then looks up n-grams in the prompt)."""
+
+    drafter: Any = "auto"
+    """Who proposes draft tokens: "auto" (the draft model if there is one, else prompt lookup),
+    "model", "prompt_lookup", "none", or an ``agentspec.Drafter`` instance."""
+
+    max_draft_tokens: int = 4
+    """The most draft tokens verified per target forward pass."""
+
+    temperature: float = 0.0
+    """0 = greedy (deterministic); above 0 samples from softmax(logits / temperature)."""
+
+    top_p: float | None = None
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+
+    top_k: int | None = None
+    """Keep only the k most likely tokens before sampling."""
+
+    max_tokens: int | None = 512
+    """The most tokens generated per call (finish_reason "length"). None: up to the context window."""
+
+    stop: list[str] | None = None
+    """Stop strings: the reply ends right before the first one."""
+
+    seed: int | None = None
+    """Seed for sampling: the same seed gives the same output."""
+
+    device: str | None = None
+    """Where the model runs ("cpu", "cuda", "cuda:1"). None: CUDA if available, else CPU."""
+
+    dtype: str | None = None
+    """Weights dtype ("float32", "bfloat16", "auto"). None: bfloat16 on CUDA, float32 on CPU."""
+
+    speculative: bool = True
+    """False: the same decoding loop without any draft (the honest baseline)."""
+
+    prefix_cache: bool | int = True
+    """Reuse the KV state of earlier calls' common prompt prefix. True: the pair's cache, shared
+    by every instance on that pair; False: recompute every prompt; an int: a cache of this many
+    bytes owned by this instance."""
+
+    pair: ModelPair | None = Field(default=None, exclude=True, repr=False)
+    """An already loaded ``agentspec.load_pair(...)``; replaces model, draft_model, device, dtype."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    _loaded: ModelPair | None = PrivateAttr(default=None)
+    _own_cache: Any = PrivateAttr(default=None)  # the PrefixCache of a prefix_cache=<bytes> instance
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        known = set(cls.model_fields)
+        unknown = set(values) - known - _IGNORED_INIT_ARGS
+        if unknown:
+            raise ValueError(f"ChatSpecDecode: unknown arguments {sorted(unknown)}")
+        return {k: v for k, v in values.items() if k in known}
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatSpecDecode:
+        if self.pair is not None:
+            clash = [n for n in ("draft_model", "device", "dtype") if getattr(self, n) is not None]
+            if self.model is not None and self.model != self.pair.name:
+                clash.insert(0, "model")
+            if clash:
+                raise ValueError(f"pass either pair= or {clash}, not both: the pair is already loaded")
+        d = self.drafter
+        if not (d in DRAFTER_NAMES or isinstance(d, Drafter)):
+            raise ValueError(f"drafter: expected one of {DRAFTER_NAMES} or a Drafter, got {d!r}")
+        budget = self.prefix_cache
+        if isinstance(budget, int) and not isinstance(budget, bool) and budget <= 0:
+            raise ValueError(f"prefix_cache: a byte budget must be > 0, got {self.prefix_cache}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        self._generation_config({})  # checks temperature, top_p, top_k, seed, stop now
+        return self
+
+    # -- identity ------------------------------------------------------------------------------
+
+    @property
+    def _llm_type(self) -> str:
+        return "agentspec"
+
+    @property
+    def model_name(self) -> str:
+        """Name of the target model (the loaded pair's, when there is one)."""
+        if self.pair is not None:
+            return self.pair.name
+        return self.model or DEFAULT_NAME
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        drafter = self.drafter if isinstance(self.drafter, str) else getattr(self.drafter, "name", "custom")
+        return {
+            "model": self.model_name,
+            "draft_model": self.pair.draft_name if self.pair is not None else self.draft_model,
+            "drafter": drafter,
+            "max_draft_tokens": self.max_draft_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "stop": self.stop,
+            "seed": self.seed,
+            "speculative": self.speculative,
+            "prefix_cache": self.prefix_cache,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="agentspec",
+            ls_model_name=kwargs.get("model") or self.model_name,
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop := stop or self.stop:
+            params["ls_stop"] = list(stop)
+        return params
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def load(self) -> ModelPair:
+        """The model pair, loaded now if it was not yet (shared with same-configured instances)."""
+        if self.pair is not None:
+            return self.pair
+        if self._loaded is None:
+            self._loaded = shared_pair(self.model, self.draft_model, self.device, self.dtype)
+        return self._loaded
+
+    # -- tools -----------------------------------------------------------------------------------
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: str | dict | bool | None = None,
+        strict: bool | None = None,
+        parallel_tool_calls: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (LangChain tools, functions, pydantic models, TypedDicts or JSON schemas).
+
+        ``tool_choice``: None or "auto" (the model decides), "none" (no calls: generation stops at
+        a ``<tool_call>`` tag), "any" or "required" (at least one call), or a tool's name (that
+        tool). A required call is forced by writing the start of the call into the reply. A named
+        tool (or "any" with a single tool bound) gives exactly one call, and decoding stops as soon
+        as it is complete; ``parallel_tool_calls=False`` does the same for any reply.
+        """
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        names = [t["function"]["name"] for t in formatted]
+        choice = normalise_tool_choice(tool_choice, names)
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+
+    # -- one request -----------------------------------------------------------------------------
+
+    def _generation_config(self, overrides: dict[str, Any]) -> GenerationConfig:
+        get = overrides.get
+        max_tokens = get("max_tokens", self.max_tokens)
+        return GenerationConfig(
+            max_new_tokens=max_tokens if max_tokens is not None else 1 << 30,
+            temperature=get("temperature", self.temperature),
+            top_k=get("top_k", self.top_k),
+            top_p=get("top_p", self.top_p),
+            stop=tuple(get("stop", self.stop) or ()),
+            seed=get("seed", self.seed),
+            num_draft_tokens=get("max_draft_tokens", self.max_draft_tokens),
+            speculative=get("speculative", self.speculative),
+        )
+
+    def _prefix_cache(self, setting: bool | int) -> Any:
+        """What ``agentspec.stream`` takes: True (the pair's shared cache), False, or a PrefixCache.
+
+        A byte budget gives this instance a cache of its own of that size (created on first use).
+        """
+        if isinstance(setting, bool):
+            return setting
+        if self._own_cache is None or self._own_cache.budget_bytes != setting:
+            from agentspec.cache import PrefixCache
+
+            self._own_cache = PrefixCache(setting)
+        return self._own_cache
+
+    def _prefill(self, messages: list[BaseMessage], tools: list[dict], tool_choice: str | None) -> str | None:
+        """Text the reply is forced to start with; None: what ``tool_choice`` demands.
+
+        A hook for subclasses (scripted tests, constrained starts); the default defers to
+        ``messages.forced_prefix``.
+        """
+        return None
+
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> _Call:
+        kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_ARGS}
+        model = kwargs.pop("model", None)
+        if model is not None and model != self.model_name:
+            raise ValueError(
+                f"model={model!r}: this ChatSpecDecode serves {self.model_name!r}; build another "
+                "instance for another model (weights are shared between same-model instances)"
+            )
+        tools = kwargs.pop("tools", None) or []
+        tool_choice = kwargs.pop("tool_choice", None)
+        parallel = kwargs.pop("parallel_tool_calls", None) is not False
+        unknown = set(kwargs) - _CALL_OVERRIDES
+        if unknown:
+            raise TypeError(f"ChatSpecDecode: unexpected call arguments {sorted(unknown)}")
+        overrides = dict(kwargs)
+        if stop is not None:
+            overrides["stop"] = stop
+        if tool_choice == "none":  # the tools stay in the prompt (same prefix), but no call may start
+            overrides["stop"] = [*(overrides.get("stop", self.stop) or []), OPEN]
+        config = self._generation_config(overrides)
+        pair = self.load()
+        prefill = self._prefill(messages, tools, tool_choice)
+        prompt = render(pair.tokenizer, messages, tools, tool_choice, prefill)
+        options = {
+            f.name: getattr(config, f.name)
+            for f in dataclasses.fields(GenerationConfig)
+            if f.name not in ("eos_token_ids", "extra")
+        }
+        options["max_new_tokens"] = max(1, min(config.max_new_tokens, pair.max_context - len(prompt.ids)))
+        prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
+        if prefix_cache is not True and _core_accepts("prefix_cache"):
+            options["prefix_cache"] = prefix_cache
+        names = {t["function"]["name"] for t in tools} if tools and tool_choice != "none" else None
+        # a named tool (or "any" with one tool: the prompt already names it) is one call
+        named = tool_choice in names or (tool_choice == "any" and len(names) == 1) if names else False
+        single = names is not None and (not parallel or named)
+        drafter = overrides.get("drafter", self.drafter)
+        return _Call(pair, prompt, options, drafter, names, single)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        call = self._prepare(messages, stop, kwargs)
+        start = time.perf_counter()
+        splitter = ToolCallSplitter(call.names) if call.names is not None else None
+        # a forced call (or its start) is part of the reply: parse it with what the model writes
+        pending = splitter.feed(call.prompt.forced) if splitter is not None else []
+        n_calls = 0
+        errors: dict[str, str] = {}  # invalid call id -> why (chunk merging drops the error field)
+        steps = agentspec.stream(call.pair, call.prompt.ids, call.drafter, **call.options)
+        try:
+            for step in steps:
+                reason = step.finish_reason
+                if splitter is None:
+                    events = [("text", step.text)] if step.text else []
+                else:
+                    events, pending = pending + splitter.feed(step.text), []
+                    if reason is None and call.single and n_calls + _count_calls(events):
+                        reason = "stop"  # the one wanted call is complete: stop decoding here
+                        step.stats.finish_reason = reason
+                        step.stats.total_time_s = time.perf_counter() - start
+                    if reason is not None:
+                        events += splitter.finish()
+                text = "".join(value for kind, value in events if kind == "text")
+                calls = []
+                for kind, value in events:
+                    if kind == "call" and not (call.single and n_calls):
+                        calls.append(_chunk_of_call(value, n_calls))
+                        n_calls += 1
+                        if value.get("error"):
+                            errors[value["id"]] = value["error"]
+                if not (text or calls or reason):
+                    continue
+                chunk = self._chunk(text, calls, reason, step.stats, call.pair.name, errors)
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(text, chunk=chunk)
+                yield chunk
+                if reason is not None:
+                    break
+        finally:
+            steps.close()  # releases the pair's lock (and lets the core save its cache) early
+
+    def _chunk(
+        self, text: str, calls: list, reason: str | None, stats: DecodeStats, model_name: str, errors: dict
+    ) -> ChatGenerationChunk:
+        if reason is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls))
+        metadata = {
+            "model_name": model_name,
+            "finish_reason": reason,
+            "speculative": speculative_metadata(stats),
+            "stats": stats.as_dict(),
+        }
+        if errors:
+            metadata["tool_call_errors"] = errors
+        message = AIMessageChunk(
+            content=text,
+            tool_call_chunks=calls,
+            chunk_position="last",
+            usage_metadata=self._usage(stats),
+            response_metadata=metadata,
+        )
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": reason})
+
+    @staticmethod
+    def _usage(stats: DecodeStats) -> UsageMetadata:
+        return UsageMetadata(
+            input_tokens=stats.prompt_tokens,
+            output_tokens=stats.output_tokens,
+            total_tokens=stats.prompt_tokens + stats.output_tokens,
+            input_token_details={"cache_read": stats.cached_tokens},
+        )
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """``_stream`` on one worker thread, its chunks handed over through a queue."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+        done = object()
+        sync_manager = run_manager.get_sync() if run_manager is not None else None
+
+        def produce() -> None:
+            try:
+                for chunk in self._stream(messages, stop, sync_manager, **kwargs):
+                    loop.call_soon_threadsafe(queue.put_nowait, (chunk, None))
+                    if cancelled.is_set():
+                        break  # leaving the loop closes _stream, which releases the lock
+            except BaseException as exc:  # handed to the consumer, raised there
+                loop.call_soon_threadsafe(queue.put_nowait, (None, exc))
+            else:
+                loop.call_soon_threadsafe(queue.put_nowait, (done, None))
+
+        worker = loop.run_in_executor(None, contextvars.copy_context().run, produce)
+        try:
+            while True:
+                item, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if item is done:
+                    break
+                yield item
+        finally:
+            cancelled.set()
+            await asyncio.shield(worker)

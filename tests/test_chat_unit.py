@@ -1,0 +1,106 @@
+"""ChatSpecDecode without weights: construction, validation, tool binding, identity."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.tools import tool
+from pydantic import ValidationError
+
+import integrations.langchain as lc
+from agentspec.models import ModelPair
+from integrations.langchain import ChatSpecDecode
+from integrations.langchain.chat_model import normalise_tool_choice
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@tool
+def now() -> str:
+    """The current time."""
+    return "12:00"
+
+
+def test_exports_pinned():
+    assert lc.__all__ == ["ChatSpecDecode", "ParsedOutput", "ToolCallSplitter", "parse_tool_calls"]
+
+
+def test_construction_is_cheap_and_lazy():
+    llm = ChatSpecDecode()
+    assert llm._loaded is None  # no weights until the first call
+    assert llm.model_name == "SmolLM2-135M-Instruct"
+    assert llm._identifying_params["model"] == "SmolLM2-135M-Instruct"
+    assert llm._identifying_params["drafter"] == "auto"
+
+
+def test_standard_arguments_are_accepted_and_typos_are_not():
+    ChatSpecDecode(api_key="x", timeout=3, max_retries=2, streaming=True)
+    with pytest.raises(ValidationError, match="max_new_tokens"):
+        ChatSpecDecode(max_new_tokens=5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"drafter": "medusa"}, "drafter"),
+        ({"prefix_cache": 0}, "prefix_cache"),
+        ({"max_draft_tokens": -1}, "num_draft_tokens"),
+    ],
+)
+def test_bad_values_fail_at_construction(kwargs, match):
+    with pytest.raises((ValidationError, ValueError, TypeError), match=match):
+        ChatSpecDecode(**kwargs)
+
+
+def test_pair_excludes_model_arguments():
+    pair = ModelPair(target=None, tokenizer=None, name="m")  # no weights needed to build one
+    with pytest.raises(ValidationError, match="device"):
+        ChatSpecDecode(pair=pair, device="cpu")
+    llm = ChatSpecDecode(pair=pair, model="m")
+    assert llm.model_name == "m" and llm.load() is pair  # shared, not copied
+
+
+def test_ls_params():
+    llm = ChatSpecDecode(max_tokens=10, stop=["x"], temperature=0.5)
+    params = llm._get_ls_params()
+    assert params["ls_provider"] == "agentspec" and params["ls_model_type"] == "chat"
+    assert (params["ls_max_tokens"], params["ls_stop"], params["ls_temperature"]) == (10, ["x"], 0.5)
+    assert llm._get_ls_params(model="other")["ls_model_name"] == "other"
+
+
+@pytest.mark.parametrize(
+    ("choice", "want"),
+    [
+        (None, None),
+        ("auto", None),
+        ("none", "none"),
+        ("any", "any"),
+        ("required", "any"),
+        (True, "any"),
+        ("add", "add"),
+        ({"type": "function", "function": {"name": "now"}}, "now"),
+    ],
+)
+def test_tool_choice(choice, want):
+    assert normalise_tool_choice(choice, ["add", "now"]) == want
+
+
+def test_bind_tools():
+    bound = ChatSpecDecode().bind_tools([add, now], tool_choice="required")
+    assert [t["function"]["name"] for t in bound.kwargs["tools"]] == ["add", "now"]
+    assert bound.kwargs["tool_choice"] == "any"
+    with pytest.raises(ValueError, match="launch"):
+        ChatSpecDecode().bind_tools([add], tool_choice="launch")
+
+
+def test_byte_budget_gives_an_own_cache():
+    llm = ChatSpecDecode(prefix_cache=1 << 20)
+    cache = llm._prefix_cache(llm.prefix_cache)
+    assert cache.budget_bytes == 1 << 20 and llm._prefix_cache(1 << 20) is cache
+    assert llm._prefix_cache(False) is False and llm._prefix_cache(True) is True
