@@ -1,6 +1,6 @@
 """Prefix cache on vs off on a multi-turn agent conversation, in one run.
 
-    python benchmarks/bench_prefix_cache.py [--max-tokens 32] [--out benchmarks/results/prefix_cache.json]
+    python benchmarks/bench_prefix_cache.py [--max-tokens 32] [--threads N] [--out benchmarks/results/prefix_cache.json]
 
 Replays the scripted conversation of ``agent_conversation.py`` (8 calls over a ~1,100-token
 system prompt) with the embedded pair. Each call runs twice, interleaved so machine drift hits both
@@ -121,7 +121,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--out", default="benchmarks/results/prefix_cache.json")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = run(args.max_tokens, args.drafter)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
