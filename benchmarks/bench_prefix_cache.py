@@ -1,6 +1,7 @@
 """Prefix cache on vs off on a multi-turn agent conversation, in one run.
 
-    python benchmarks/bench_prefix_cache.py [--max-tokens 32] [--threads N] [--out benchmarks/results/prefix_cache.json]
+    python benchmarks/bench_prefix_cache.py [--max-tokens 32] [--threads N] \
+        [--out benchmarks/results/prefix_cache.json]
 
 Replays the scripted conversation of ``agent_conversation.py`` (8 calls over a ~1,100-token
 system prompt) with the embedded pair. Each call runs twice, interleaved so machine drift hits both

@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import agentspec
 from agentspec.cache import PrefixCache, RadixCache
@@ -18,52 +17,20 @@ from agentspec.models import ModelPair
 VOCAB = 64
 
 
-class ByteTok:
-    """Enough of a tokenizer for the loop: ids decode to space-separated numbers."""
-
-    eos_token_id = 1
-
-    def decode(self, ids, **_):
-        return " ".join(map(str, ids))
-
-
-def tiny(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models gain nothing from threads, and oversubscribed cores slow them tenfold
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")
-def models():
-    return tiny(0), tiny(1)
+def models(tiny_llama, fake_tokenizer):
+    return tiny_llama(0, max_positions=1024), tiny_llama(1, max_positions=1024), fake_tokenizer(VOCAB, 1)
 
 
 def make_pair(models, budget=10**8) -> ModelPair:
-    target, draft = models
+    target, draft, tokenizer = models
     return ModelPair(
         target=target,
         draft=draft,
-        tokenizer=ByteTok(),
+        tokenizer=tokenizer,
         key=("tiny-target", "tiny-draft"),
         prefix_cache=PrefixCache(budget),
     )
