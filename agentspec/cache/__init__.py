@@ -35,7 +35,8 @@ def default_budget(device: torch.device | None = None) -> int:
 
 def _supports_reuse(cache: DynamicCache) -> bool:
     # sliding-window and linear-attention layers do not keep every position: no prefix reuse
-    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
 
 def _segments(state: ModelState, length: int) -> Segments:
@@ -43,9 +44,14 @@ def _segments(state: ModelState, length: int) -> Segments:
 
 
 def _state(model, segments: Segments, ids: list[int]) -> ModelState:
+    """A ModelState that adopts the segments (fresh copies from the tree) as its cache tensors.
+
+    ``DynamicCache.update`` would concatenate them onto an empty tensor: a second full copy.
+    """
     cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(segments):
-        cache.update(k, v, i)
+    for layer, (k, v) in zip(cache.layers, segments, strict=True):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
     return ModelState(model, cache, ids)
 
 
