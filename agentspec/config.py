@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,6 @@ class GenerationConfig:
     num_draft_tokens: int = 4  # the most draft tokens verified per target pass
     speculative: bool = True  # False = the same loop with no draft (the honest baseline)
     eos_token_ids: frozenset[int] | None = None  # None = the model's own EOS ids
-    extra: dict = field(default_factory=dict, compare=False)  # free-form, ignored by the loop
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -105,13 +105,14 @@ def test_q_none_accepts_with_probability_p_and_resamples_p_without_x():
     """One-hot rule: accept x with p(x), else draw from p with x removed; the output token is ~p."""
     p0 = dist(0.1, 0.3, 0.6)
     p = torch.stack([p0, one_hot(7)])
-    out = runs(p, None, (1,))
+    x = 1  # the draft token
+    out = runs(p, None, (x,))
     accepted = [n for n, _ in out]
     assert math.isclose(sum(accepted) / len(out), 0.3, abs_tol=five_sigma(0.3, len(out)))
     rejected = [token for n, token in out if n == 0]
-    assert 1 not in rejected  # the rejected draft token is never the correction
+    assert x not in rejected  # the rejected draft token is never the correction
     assert_close_freq(frequencies(rejected), dist(0.1 / 0.7, 0, 0.6 / 0.7), len(rejected))
-    first = [1 if n == 1 else token for n, token in out]  # the first output token, either way
+    first = [x if n == 1 else token for n, token in out]  # the first output token, either way
     assert_close_freq(frequencies(first), p0, len(out))
 
 

@@ -386,7 +386,7 @@ class ChatSpecDecode(BaseChatModel):
         options = {
             f.name: getattr(config, f.name)
             for f in dataclasses.fields(GenerationConfig)
-            if f.name not in ("eos_token_ids", "extra")
+            if f.name != "eos_token_ids"
         }
         options["max_new_tokens"] = max(1, min(config.max_new_tokens, pair.max_context - len(prompt.ids)))
         prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
