@@ -18,6 +18,9 @@ class GenerationConfig:
     seed: int | None = None  # seeds the sampler: same seed, same output
     num_draft_tokens: int = 4  # the most draft tokens verified per target pass
     speculative: bool = True  # False = the same loop with no draft (the honest baseline)
+    # with a grammar: append tokens it forces without a model pass, and propose the text it forces
+    # as draft tokens (verified like any draft)
+    jump_forward: bool = True
     eos_token_ids: frozenset[int] | None = None  # None = the model's own EOS ids
 
     def __post_init__(self) -> None:
@@ -43,6 +46,8 @@ class GenerationConfig:
             _check_int("seed", self.seed, low=0)
             if self.seed >= 2**64:
                 raise ValueError(f"seed must be < 2**64, got {self.seed}")
+        if not isinstance(self.speculative, bool) or not isinstance(self.jump_forward, bool):
+            raise TypeError("speculative and jump_forward must be bools")
         for s in self.stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop: every stop sequence must be a string, got {type(s).__name__}")

@@ -11,6 +11,8 @@ Row i of that pass's logits scores draft token i; row k gives the bonus token.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import operator
 import time
@@ -22,6 +24,7 @@ import torch
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
+from agentspec.grammar import Constraint, Grammar, apply_mask
 from agentspec.kv import ModelState
 from agentspec.models import ModelPair
 from agentspec.sampling import make_generator, probabilities
@@ -46,6 +49,7 @@ class Step:
     seconds: float  # wall time of this pass, drafting included
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length", on the last step
     stats: DecodeStats = field(default_factory=DecodeStats, repr=False)  # the call's running stats
+    forced: int = 0  # of ``tokens``, those a grammar forced (appended without a model guess)
 
 
 @dataclass
@@ -151,18 +155,61 @@ def _finish(
     return new, reason, None
 
 
+JUMP_FORWARD_LIMIT = 16  # the most grammar-forced tokens proposed in one verify pass
+
+
+@functools.cache
+def _takes_constraint(kind: type) -> bool:
+    """Whether a drafter class's ``propose`` accepts ``constraint=`` (it then masks its own draft)."""
+    try:
+        return "constraint" in inspect.signature(kind.propose).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _propose(drafter: Drafter, seq, k, config, gen, constraint: Constraint | None) -> Draft:
+    if constraint is not None and _takes_constraint(type(drafter)):
+        return drafter.propose(seq, k, config, gen, constraint=constraint)
+    return drafter.propose(seq, k, config, gen)
+
+
+def _fit_to_grammar(constraint: Constraint, tokens: list[int], start: int, sampled: bool) -> int:
+    """Push ``tokens[start:]`` onto the constraint's path; return how many draft tokens to verify.
+
+    A drafter that masks its own draft has pushed its tokens already. At the first token the
+    grammar forbids, a deterministic draft is cut before it (a shorter deterministic draft is just
+    another draft); a sampled draft keeps it, since cutting a sampled draft where the sample landed
+    would skew the output distribution: verification rejects that token (its masked target
+    probability is 0) and resamples from the residual, as for any rejection.
+    """
+    if constraint.path != tokens[: len(constraint.path)]:  # a drafter pushed something else: redo
+        constraint.rewind(start)
+    for i in range(len(constraint.path), len(tokens)):
+        if not constraint.push(tokens[i]):
+            return i + 1 if sampled else i
+    return len(tokens)
+
+
 def decode(
     pair: ModelPair,
     prompt_ids: list[int],
     config: GenerationConfig,
     drafter: Drafter | None = None,
     target: ModelState | None = None,
+    grammar: Grammar | Constraint | None = None,
 ) -> Iterator[Step]:
     """Generate after ``prompt_ids``, yielding one Step per target pass, the last with a finish reason.
 
     ``target`` may carry a KV state restored from the prefix cache: only the ids it does not cover
     are prefilled. On return (or on close) it covers exactly the verified sequence minus its last
     token, ready to be saved.
+
+    ``grammar`` (a ``Grammar``, or a fresh ``Constraint`` for one) constrains the output: the
+    target's logits at every verified position are masked to the tokens the grammar allows, so the
+    output is drawn from the target's distribution restricted to the grammar, exactly as plain
+    constrained decoding would draw it. With ``config.jump_forward``, a token that the grammar
+    alone allows is appended without a model guess (it is fed with the next pass), and text the
+    grammar forces is proposed as draft tokens.
     """
     start = time.perf_counter()
     seq = check_prompt(pair, prompt_ids)
@@ -171,6 +218,10 @@ def decode(
     eos = set(config.eos_token_ids) if config.eos_token_ids is not None else pair.eos_token_ids
     text = TextTracker(pair.tokenizer, config.stop, eos)
     gen = None if config.greedy else make_generator(config.seed, pair.device)
+    constraint = (
+        grammar if isinstance(grammar, Constraint) or grammar is None else Constraint.for_pair(pair, grammar)
+    )
+    jump = constraint is not None and config.jump_forward
 
     pending = target.sync(seq[:-1]) + seq[-1:]
     stats.cached_tokens = len(seq) - len(pending)
@@ -180,33 +231,72 @@ def decode(
     out: list[int] = []
     while True:
         t0 = time.perf_counter()
+        room = min(budget - len(out), pair.max_context - len(seq))  # tokens this pass may add
+        forced: list[int] = []
+        while jump and len(forced) < room and (tok := constraint.forced()) is not None:
+            constraint.push(tok)
+            constraint.commit(1)
+            forced.append(tok)
+            if constraint.terminated:
+                break
         # never draft past the token budget or the context window
-        k = min(config.num_draft_tokens, budget - len(out) - 1, pair.max_context - len(seq) - 1)
-        draft = Draft([])
-        if drafter is not None and k > 0:
+        k = room - len(forced) - 1
+        tokens: list[int] = []
+        if jump and k > 0 and not constraint.terminated:
+            for tok in constraint.jump_forward(min(JUMP_FORWARD_LIMIT, k)):
+                if not constraint.push(tok):
+                    break
+                tokens.append(tok)
+        n_jump = len(tokens)
+        k_draft = min(config.num_draft_tokens, k - n_jump)
+        q = None
+        if drafter is not None and k_draft > 0 and not (constraint is not None and constraint.terminated):
             try:
-                draft = check_draft(drafter.propose(seq, k, config, gen), k, vocab)
+                draft = _propose(drafter, seq + forced + tokens, k_draft, config, gen, constraint)
+                draft = check_draft(draft, k_draft, vocab)
             except Exception as exc:  # the target alone gives the same output: carry on without
                 drafter = _drop(drafter, exc, stats)
                 draft = Draft([])
-        n_draft = len(draft.tokens)
-        prefill = len(pending) - 1
-        logits = target.forward(pending + draft.tokens, keep=n_draft + 1)  # [k+1, V]
-        d = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
-        if config.greedy:
-            n, token = greedy_verify(d, logits)
-        else:
-            p = probabilities(logits, config.temperature, config.top_k, config.top_p)
-            q = draft.q[:n_draft] if draft.q is not None else None
-            n, token = speculative_verify(d, p, q, gen)
-        assert 0 <= token < vocab, f"{token=} {vocab=}"
-        target.truncate(len(seq) + n)  # roll back the rejected draft tokens
-        stats.observe_step(n_draft, n)
+            if draft.q is not None:
+                jumped = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), vocab)
+                q = torch.cat([jumped.to(draft.q), draft.q]) if tokens else draft.q
+            tokens += draft.tokens
+        if constraint is not None:
+            tokens = tokens[: _fit_to_grammar(constraint, tokens, n_jump, q is not None)]
+        n_draft = len(tokens)
 
-        new, reason, cut = _finish(draft.tokens[:n] + [token], len(out), budget, eos, text, out)
+        if forced and (len(forced) == room or constraint.terminated):
+            n, token, verified = 0, None, False  # the grammar alone finishes this call: no pass
+        else:
+            logits = target.forward(pending + forced + tokens, keep=n_draft + 1)  # [k+1, V]
+            if constraint is not None:
+                logits = apply_mask(logits, constraint.masks(n_draft + 1))
+            d = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+            if config.greedy:
+                n, token = greedy_verify(d, logits)
+            else:
+                p = probabilities(logits, config.temperature, config.top_k, config.top_p)
+                n, token = speculative_verify(d, p, q[:n_draft] if q is not None else None, gen)
+            assert 0 <= token < vocab, f"{token=} {vocab=}"
+            target.truncate(len(seq) + len(forced) + n)  # roll back the rejected draft tokens
+            stats.observe_step(n_draft, n)
+            stats.jump_forward_tokens += n_jump
+            stats.jump_forward_accepted += min(n, n_jump)
+            verified = True
+            if constraint is not None:
+                constraint.commit(n)
+                if not constraint.terminated and not constraint.push(token):
+                    raise RuntimeError(f"the grammar rejected token {token} drawn under its own mask")
+                constraint.commit(len(constraint.path))
+
+        new = forced + tokens[:n] + ([token] if verified else [])
+        new, reason, cut = _finish(new, len(out), budget, eos, text, out)
+        if reason is None and constraint is not None and constraint.terminated:
+            reason = "stop"  # the grammar is complete (it accepted a stop token)
+        stats.forced_tokens += min(len(forced), len(new))
         out += new
         seq += new
-        if drafter is not None:
+        if drafter is not None and verified:
             try:
                 drafter.feedback(seq, n, n_draft)
             except Exception as exc:
@@ -220,10 +310,13 @@ def decode(
             stats.finish_reason = reason
             stats.total_time_s = now - start
         delta = text.release(out, final=reason is not None, cut=cut)
-        yield Step(new, delta, n_draft, n, prefill, now - t0, reason, stats)
+        prefill = len(pending) - 1 if verified else 0
+        yield Step(
+            new, delta, n_draft, n, prefill, now - t0, reason, stats, forced=min(len(forced), len(new))
+        )
         if reason is not None:
             return
-        pending = seq[-1:]
+        pending = seq[len(target.ids) :]
 
 
 def _config(options: dict) -> GenerationConfig:
@@ -234,9 +327,16 @@ def _config(options: dict) -> GenerationConfig:
 
 
 def stream(
-    pair: ModelPair, prompt_ids: Any, drafter: Any = None, prefix_cache: Any = True, **options: Any
+    pair: ModelPair,
+    prompt_ids: Any,
+    drafter: Any = None,
+    prefix_cache: Any = True,
+    grammar: Grammar | Constraint | None = None,
+    **options: Any,
 ) -> Iterator[Step]:
     """Yield Steps as tokens are verified. Options are GenerationConfig fields (or ``config=``).
+
+    ``grammar`` (an ``agentspec.grammar.Grammar`` or ``Constraint``) constrains the output; see ``decode``.
 
     ``prefix_cache``: True uses the pair's cache (restore the longest cached prefix, save the
     verified state afterwards), False decodes from scratch (the no-reuse baseline, same loop), or
@@ -262,7 +362,7 @@ def stream(
         if isinstance(d, ModelDrafter) and "draft" in states:
             d.state = states["draft"]
         try:
-            yield from decode(pair, ids, config, d, target=target)
+            yield from decode(pair, ids, config, d, target=target, grammar=grammar)
             if cache is not None and isinstance(d, ModelDrafter):
                 d.catch_up(target.ids)  # the draft then covers the same verified tokens
         finally:
@@ -286,7 +386,12 @@ def _pick_cache(pair: ModelPair, prefix_cache: Any):
 
 
 def generate(
-    pair: ModelPair, prompt_ids: Any, drafter: Any = None, prefix_cache: Any = True, **options: Any
+    pair: ModelPair,
+    prompt_ids: Any,
+    drafter: Any = None,
+    prefix_cache: Any = True,
+    grammar: Grammar | Constraint | None = None,
+    **options: Any,
 ) -> GenerationResult:
     """Generate to the end; returns ids, text, finish reason and stats.
 
@@ -297,7 +402,7 @@ def generate(
     ids: list[int] = []
     parts: list[str] = []
     last = None
-    for last in stream(pair, prompt_ids, drafter, prefix_cache, **options):
+    for last in stream(pair, prompt_ids, drafter, prefix_cache, grammar, **options):
         ids += last.tokens
         parts.append(last.text)
     assert last is not None and last.finish_reason is not None

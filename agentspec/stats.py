@@ -18,9 +18,12 @@ class DecodeStats:
     cached_tokens: int = 0  # prompt tokens whose KV state was restored, not recomputed
     prefill_tokens: int = 0  # prompt tokens the target computed in this call
     output_tokens: int = 0  # tokens returned (after EOS / stop / length trimming)
-    draft_tokens: int = 0  # tokens proposed by the drafter and verified
+    draft_tokens: int = 0  # tokens proposed (by the drafter or a grammar's jump-forward) and verified
     accepted_tokens: int = 0  # of those, accepted by the target
     verify_steps: int = 0  # target forward passes after prefill (each yields >= 1 token)
+    forced_tokens: int = 0  # output tokens a grammar forced: appended without any model guess
+    jump_forward_tokens: int = 0  # of draft_tokens, those spelling text a grammar forced
+    jump_forward_accepted: int = 0  # of those, accepted
     draft_failures: int = 0  # drafter exceptions survived by falling back to the target alone
     acceptance_histogram: list[int] = field(default_factory=list)
     time_to_first_token_s: float = 0.0

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft
+from agentspec.grammar import Constraint, apply_mask
 from agentspec.kv import ModelState
 from agentspec.sampling import probabilities
 
@@ -35,7 +36,10 @@ class ModelDrafter:
         self.state = ModelState(model)
         self.vocab_size = vocab_size  # the target's logits width
 
-    def propose(self, seq, k, config: GenerationConfig, generator) -> Draft:
+    def propose(
+        self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
+    ) -> Draft:
+        """Up to ``k`` tokens; with a ``constraint``, drawn under its mask and pushed onto its path."""
         if k <= 0:
             return Draft([])
         pending = self.state.sync(seq[:-1]) + seq[-1:]
@@ -43,12 +47,20 @@ class ModelDrafter:
         qs: list[torch.Tensor] = []
         for _ in range(k):
             logits = fit_vocab(self.state.forward(pending, keep=1)[-1], self.vocab_size)  # [V]
+            if constraint is not None:
+                allowed = constraint.allowed()
+                if constraint.terminated or not bool(allowed.any()):
+                    break
+                logits = apply_mask(logits, allowed)
             if config.greedy:
                 token = int(logits.argmax().item())
             else:
                 q = probabilities(logits, config.temperature, config.top_k, config.top_p)
                 token = int(torch.multinomial(q, 1, generator=generator).item())
                 qs.append(q)
+            if constraint is not None and not constraint.push(token):
+                qs = qs[: len(tokens)]
+                break
             tokens.append(token)
             pending = [token]
         return Draft(tokens, torch.stack(qs) if qs else None)
