@@ -232,21 +232,9 @@ def decode(
     while True:
         t0 = time.perf_counter()
         room = min(budget - len(out), pair.max_context - len(seq))  # tokens this pass may add
-        forced: list[int] = []
-        while jump and len(forced) < room and (tok := constraint.forced()) is not None:
-            constraint.push(tok)
-            constraint.commit(1)
-            forced.append(tok)
-            if constraint.terminated:
-                break
-        # never draft past the token budget or the context window
-        k = room - len(forced) - 1
-        tokens: list[int] = []
-        if jump and k > 0 and not constraint.terminated:
-            for tok in constraint.jump_forward(min(JUMP_FORWARD_LIMIT, k)):
-                if not constraint.push(tok):
-                    break
-                tokens.append(tok)
+        forced = constraint.take_forced(room) if jump else []  # certain: no model guess needed
+        k = room - len(forced) - 1  # never draft past the token budget or the context window
+        tokens = constraint.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if jump else []
         n_jump = len(tokens)
         k_draft = min(config.num_draft_tokens, k - n_jump)
         q = None

@@ -341,9 +341,25 @@ class Constraint:
             return None
         return int(allowed.nonzero()[0, 0])
 
-    def jump_forward(self, limit: int) -> list[int]:
-        """Tokens spelling the text the grammar forces next (empty path), at most ``limit``."""
-        assert not self.path, "jump_forward() reads the committed state"
+    def take_forced(self, limit: int) -> list[int]:
+        """Commit the run of tokens the grammar alone allows next (at most ``limit``) and return it."""
+        out: list[int] = []
+        while len(out) < limit and (token := self.forced()) is not None:
+            self.push(token)
+            self.commit(1)
+            out.append(token)
+        return out
+
+    def push_jump_forward(self, limit: int) -> list[int]:
+        """Push tokens spelling the text the grammar forces next (at most ``limit``) onto the empty
+        path, and return them: a draft to verify. The tokenisation is xgrammar's longest-match,
+        which the model may not share; verification decides."""
+        assert not self.path, "push_jump_forward() starts from the committed state"
         if limit <= 0 or self.matcher.is_terminated():
             return []
-        return list(self.matcher.find_jump_forward_tokens())[:limit]
+        pushed: list[int] = []
+        for token in self.matcher.find_jump_forward_tokens()[:limit]:
+            if not self.push(token):
+                break
+            pushed.append(token)
+        return pushed
