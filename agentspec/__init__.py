@@ -1,21 +1,25 @@
 """agentspec: lossless speculative decoding and prefix reuse for LLM agents.
 
-The core (this package) needs torch and transformers only; ``ChatSpecDecode`` is the LangChain
+The core (this package) needs torch, transformers and xgrammar only; ``ChatSpecDecode`` is the LangChain
 chat model, importable from here when langchain-core is installed.
 """
 
 from agentspec.config import GenerationConfig
 from agentspec.decode import GenerationResult, Step, decode, generate, stream
 from agentspec.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
+from agentspec.grammar import Constraint, Grammar, GrammarError
 from agentspec.models import ModelPair, TokenizerMismatchError, load_pair
 from agentspec.stats import DecodeStats
 
 __all__ = [
+    "Constraint",
     "DecodeStats",
     "Draft",
     "Drafter",
     "GenerationConfig",
     "GenerationResult",
+    "Grammar",
+    "GrammarError",
     "ModelDrafter",
     "ModelPair",
     "PromptLookupDrafter",
