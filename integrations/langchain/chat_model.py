@@ -36,18 +36,25 @@ from langchain_core.language_models.chat_models import LangSmithParams, generate
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 import agentspec
 from agentspec.config import GenerationConfig
 from agentspec.decode import DRAFTER_NAMES
 from agentspec.drafters import Drafter
+from agentspec.grammar import Constraint
 from agentspec.models import DEFAULT_NAME, ModelPair
 from agentspec.stats import DecodeStats
 from integrations.langchain.messages import Prompt, render
+from integrations.langchain.structured import (
+    is_pydantic_class,
+    output_grammar,
+    response_schema,
+    structured_parser,
+)
 from integrations.langchain.tool_parsing import OPEN, ToolCallSplitter
 
 # Arguments LangChain's standard tests and callers pass to any chat model; meaningless for a local
@@ -58,7 +65,7 @@ _IGNORED_INIT_ARGS = {"api_key", "timeout", "max_retries", "streaming", "base_ur
 _IGNORED_CALL_ARGS = {"stream", "ls_structured_output_format", "structured_output_format"}
 _CALL_OVERRIDES = {
     "temperature", "top_p", "top_k", "max_tokens", "seed", "speculative", "max_draft_tokens",
-    "drafter", "prefix_cache",
+    "drafter", "prefix_cache", "constrained", "jump_forward",
 }  # fmt: skip
 
 # Pairs loaded by ChatSpecDecode instances, keyed by what was asked for: instances with the same
@@ -94,6 +101,10 @@ def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:
         "acceptance_rate": stats.acceptance_rate,
         "mean_acceptance_length": stats.mean_acceptance_length,
         "acceptance_histogram": list(stats.acceptance_histogram),
+        # per draft source ("auto" picks "suffix", "model" or "none" each pass): passes, drafted, accepted
+        "source_steps": dict(stats.source_steps),
+        "source_draft_tokens": dict(stats.source_draft_tokens),
+        "source_accepted_tokens": dict(stats.source_accepted_tokens),
     }
 
 
@@ -204,8 +215,24 @@ class ChatSpecDecode(BaseChatModel):
     by every instance on that pair; False: recompute every prompt; an int: a cache of this many
     bytes owned by this instance."""
 
+    constrained: bool = True
+    """Constrain tool calls and structured output with a grammar, so that every call names a bound
+    tool with arguments valid under its schema, and every structured reply parses and validates.
+    False: the model writes freely and its output is only parsed."""
+
+    jump_forward: bool | None = None
+    """Under a grammar, append tokens it forces without a model guess and propose the text it forces
+    as draft tokens. None: on when ``speculative`` is (the plain baseline has neither)."""
+
     pair: ModelPair | None = Field(default=None, exclude=True, repr=False)
     """An already loaded ``agentspec.load_pair(...)``; replaces model, draft_model, device, dtype."""
+
+    tracer_provider: Any = Field(default=None, exclude=True, repr=False)
+    """OpenTelemetry TracerProvider for a ``chat {model}`` span per call (``agentspec.telemetry``).
+    None: the global one; with no SDK configured, nothing is recorded."""
+
+    meter_provider: Any = Field(default=None, exclude=True, repr=False)
+    """OpenTelemetry MeterProvider for the calls' metrics. None: the global one."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -271,6 +298,8 @@ class ChatSpecDecode(BaseChatModel):
             "seed": self.seed,
             "speculative": self.speculative,
             "prefix_cache": self.prefix_cache,
+            "constrained": self.constrained,
+            "jump_forward": self.jump_forward,
         }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -321,13 +350,81 @@ class ChatSpecDecode(BaseChatModel):
         choice = normalise_tool_choice(tool_choice, names)
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
+        answer = response_schema(kwargs.get("response_format"))
+        if kwargs.get("constrained", self.constrained):  # a schema the grammar engine refuses fails here
+            output_grammar(formatted if choice != "none" else [], choice, answer, "hermes", single=False)
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict | type,
+        *,
+        method: str = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | Any]:
+        """A runnable whose output is ``schema``'s type: a pydantic instance, else a dict.
+
+        ``method``: "json_schema" (the default: the whole reply is JSON constrained to the schema),
+        "function_calling" (a call to a tool named after the schema, its arguments constrained), or
+        "json_mode" (a JSON object; constrained to the schema when one is given, since the result
+        is parsed with it anyway). With ``constrained=True`` (the default) the result always parses
+        and validates, unless the reply is cut by ``max_tokens``. ``include_raw``: return
+        ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}`` instead of raising.
+        """
+        if kwargs:
+            raise ValueError(f"with_structured_output: unexpected arguments {sorted(kwargs)}")
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw)
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(
+                f"method: expected 'json_schema', 'function_calling' or 'json_mode', got {method!r}"
+            )
+        if schema is None and method == "json_mode":
+            json_schema, parser = {"type": "object"}, structured_parser(dict)
+        else:
+            json_schema = schema if isinstance(schema, dict) and not is_pydantic_class(schema) else None
+            json_schema = response_schema(json_schema) if json_schema is not None else None
+            json_schema = json_schema or convert_to_json_schema(schema)
+            parser = structured_parser(schema)
+        name = json_schema.get("title", "response") if isinstance(json_schema, dict) else "response"
+        response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema}}
+        if self.constrained:
+            output_grammar([], None, json_schema, "hermes", single=False)  # refuse a bad schema now
+        llm = self.bind(
+            response_format=response_format,
+            ls_structured_output_format={
+                "kwargs": {"method": method},
+                "schema": convert_to_json_schema(schema) if schema is not None else json_schema,
+            },
+        )
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(
+            parsed=lambda x: parser.invoke(x["raw"]), parsing_error=lambda _: None
+        )
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+
+    def _resolve_model_profile(self) -> dict:
+        # tools and tool_choice work, and structured output is constrained by a grammar: tells
+        # create_agent to bind response_format (its provider strategy) rather than an extra tool
+        return {
+            "tool_calling": True,
+            "tool_choice": True,
+            "structured_output": True,
+            "text_inputs": True,
+            "text_outputs": True,
+        }
 
     # -- one request -----------------------------------------------------------------------------
 
     def _generation_config(self, overrides: dict[str, Any]) -> GenerationConfig:
         get = overrides.get
         max_tokens = get("max_tokens", self.max_tokens)
+        speculative = get("speculative", self.speculative)
+        jump_forward = get("jump_forward", self.jump_forward)
         return GenerationConfig(
             max_new_tokens=max_tokens if max_tokens is not None else 1 << 30,
             temperature=get("temperature", self.temperature),
@@ -336,7 +433,8 @@ class ChatSpecDecode(BaseChatModel):
             stop=tuple(get("stop", self.stop) or ()),
             seed=get("seed", self.seed),
             num_draft_tokens=get("max_draft_tokens", self.max_draft_tokens),
-            speculative=get("speculative", self.speculative),
+            speculative=speculative,
+            jump_forward=speculative if jump_forward is None else jump_forward,
         )
 
     def _prefix_cache(self, setting: bool | int) -> Any:
@@ -371,6 +469,8 @@ class ChatSpecDecode(BaseChatModel):
         tools = kwargs.pop("tools", None) or []
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", None) is not False
+        answer = response_schema(kwargs.pop("response_format", None))
+        constrained = kwargs.pop("constrained", self.constrained)
         unknown = set(kwargs) - _CALL_OVERRIDES
         if unknown:
             raise TypeError(f"ChatSpecDecode: unexpected call arguments {sorted(unknown)}")
@@ -381,7 +481,13 @@ class ChatSpecDecode(BaseChatModel):
             overrides["stop"] = [*(overrides.get("stop", self.stop) or []), OPEN]
         config = self._generation_config(overrides)
         pair = self.load()
+        names = {t["function"]["name"] for t in tools} if tools and tool_choice != "none" else None
+        # a named tool (or "any" with one tool: the prompt already names it) is one call
+        named = tool_choice in names or (tool_choice == "any" and len(names) == 1) if names else False
+        single = names is not None and (not parallel or named)
         prefill = self._prefill(messages, tools, tool_choice)
+        if constrained and prefill is None:
+            prefill = ""  # the grammar itself forces what tool_choice demands
         prompt = render(pair.tokenizer, messages, tools, tool_choice, prefill)
         options = {
             f.name: getattr(config, f.name)
@@ -392,10 +498,13 @@ class ChatSpecDecode(BaseChatModel):
         prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
         if prefix_cache is not True and _core_accepts("prefix_cache"):
             options["prefix_cache"] = prefix_cache
-        names = {t["function"]["name"] for t in tools} if tools and tool_choice != "none" else None
-        # a named tool (or "any" with one tool: the prompt already names it) is one call
-        named = tool_choice in names or (tool_choice == "any" and len(names) == 1) if names else False
-        single = names is not None and (not parallel or named)
+        if constrained:
+            g = output_grammar(tools if names else [], tool_choice, answer, prompt.tool_format, single)
+            if g is not None:
+                constraint = Constraint.for_pair(pair, g)
+                if prompt.forced and not constraint.accept_text(prompt.forced):
+                    raise ValueError(f"the forced start of the reply does not fit {g.description}")
+                options["grammar"] = constraint
         drafter = overrides.get("drafter", self.drafter)
         return _Call(pair, prompt, options, drafter, names, single)
 
@@ -406,14 +515,19 @@ class ChatSpecDecode(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        call = self._prepare(messages, stop, kwargs)
+        try:
+            call = self._prepare(messages, stop, kwargs)
+        except Exception as exc:
+            self._trace(None, run_manager, exc)
+            raise
         start = time.perf_counter()
         splitter = ToolCallSplitter(call.names) if call.names is not None else None
         # a forced call (or its start) is part of the reply: parse it with what the model writes
         pending = splitter.feed(call.prompt.forced) if splitter is not None else []
         n_calls = 0
         errors: dict[str, str] = {}  # invalid call id -> why (chunk merging drops the error field)
-        steps = agentspec.stream(call.pair, call.prompt.ids, call.drafter, **call.options)
+        trace = self._trace(call, run_manager)  # a span and metrics (no-ops without an OpenTelemetry SDK)
+        steps = trace.watch(agentspec.stream(call.pair, call.prompt.ids, call.drafter, **call.options))
         try:
             for step in steps:
                 reason = step.finish_reason
@@ -443,8 +557,12 @@ class ChatSpecDecode(BaseChatModel):
                 yield chunk
                 if reason is not None:
                     break
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
         finally:
             steps.close()  # releases the pair's lock (and lets the core save its cache) early
+            trace.end()
 
     def _chunk(
         self, text: str, calls: list, reason: str | None, stats: DecodeStats, model_name: str, errors: dict
@@ -523,3 +641,37 @@ class ChatSpecDecode(BaseChatModel):
         finally:
             cancelled.set()
             await asyncio.shield(worker)
+
+    def _trace(self, call: _Call | None, run_manager: Any, error: Exception | None = None) -> Any:
+        """The ``agentspec.telemetry.CallTrace`` of a call made from ``_stream``; with ``error``, a call
+        that failed before decoding, recorded at once.
+
+        The span's parent is the current span, or the span a LangChain tracer opened for this run
+        when it has one (OpenInference's ``get_span(run_id)``: it does not make its spans current).
+        """
+        import sys
+
+        from opentelemetry import trace as otel_trace
+
+        from agentspec.telemetry import CallTrace
+
+        parent = None
+        for handler in getattr(run_manager, "handlers", None) or []:
+            span = handler.get_span(run_manager.run_id) if hasattr(handler, "get_span") else None
+            if isinstance(span, otel_trace.Span):
+                parent = otel_trace.set_span_in_context(span)
+        # frame 2 called _stream's first next(): generate_from_stream when _generate aggregates the reply
+        streamed = sys._getframe(2).f_code is not generate_from_stream.__code__
+        trace = CallTrace(
+            call.pair if call is not None else None,
+            self.model_name,
+            call.options if call is not None else {},
+            streamed=streamed,
+            parent=parent,
+            tracer_provider=self.tracer_provider,
+            meter_provider=self.meter_provider,
+        )
+        if error is not None:
+            trace.fail(error)
+            trace.end()
+        return trace
