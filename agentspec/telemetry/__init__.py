@@ -1,0 +1,30 @@
+"""OpenTelemetry spans and metrics for model calls: tokens, speculation, cache reuse, latency saved.
+
+Stats are data (``agentspec.stats.DecodeStats`` and the per-pass ``agentspec.decode.Step``); this
+package is one exporter of them:
+
+- ``attributes``: every attribute and metric name (``gen_ai.*`` after the OpenTelemetry GenAI
+  conventions, ``agentspec.*`` for speculation, the prefix cache and the estimate), and pure
+  functions from a call's stats to attribute dicts;
+- ``latency``: the estimate of what a call would have cost with plain decoding and no cache (a
+  per-pair cost model, calibrated on first use and refreshed from plain passes: see its docstring);
+- ``otel``: ``CallTrace``, the glue that opens a span per call (``chat {model}``, kind INTERNAL,
+  child of the current span), records metric points and costs nothing when no SDK is configured;
+  ``traced_stream``, ``agentspec.stream`` with a span.
+
+``ChatSpecDecode(tracer_provider=..., meter_provider=...)`` uses it for every call; by default it
+uses the global providers.
+"""
+
+from agentspec.telemetry.latency import CostModel, baseline_seconds, calibrate, cost_model, set_cost_model
+from agentspec.telemetry.otel import CallTrace, traced_stream
+
+__all__ = [
+    "CallTrace",
+    "CostModel",
+    "baseline_seconds",
+    "calibrate",
+    "cost_model",
+    "set_cost_model",
+    "traced_stream",
+]

@@ -1,0 +1,168 @@
+"""Every span attribute and metric name agentspec writes, and pure functions from a call to attributes.
+
+``gen_ai.*`` follow the OpenTelemetry GenAI semantic conventions (status: development). The strings
+are written out here because the Python semconv constants for them are marked deprecated.
+``agentspec.*`` is our namespace for what the conventions do not cover: speculation, the prefix
+cache and the latency-saved estimate. Durations in our namespace are seconds, named ``..._s``.
+
+The functions below read ``DecodeStats`` (and the request options) and return plain dicts; the
+exporter glue in ``agentspec.telemetry.otel`` only hands them to a span or an instrument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from agentspec.stats import DecodeStats
+
+# -- span: OpenTelemetry GenAI conventions ---------------------------------------------------------
+OPERATION_NAME = "gen_ai.operation.name"  # "chat"
+PROVIDER_NAME = "gen_ai.provider.name"  # "agentspec": the model runs in this process
+REQUEST_MODEL = "gen_ai.request.model"
+REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"  # the effective cap (clipped to the context window)
+REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+REQUEST_TOP_P = "gen_ai.request.top_p"
+REQUEST_TOP_K = "gen_ai.request.top_k"
+REQUEST_SEED = "gen_ai.request.seed"
+REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
+REQUEST_STREAM = "gen_ai.request.stream"  # the caller received chunks (False: one aggregated reply)
+RESPONSE_MODEL = "gen_ai.response.model"
+RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"  # restored from the prefix cache
+TOKEN_TYPE = "gen_ai.token.type"  # metric attribute: "input" or "output"
+ERROR_TYPE = "error.type"  # the exception's class name
+
+OPERATION = "chat"
+PROVIDER = "agentspec"
+
+# -- span: agentspec ---------------------------------------------------------------------------------
+REQUEST_SPECULATIVE = "agentspec.request.speculative"  # False: the plain baseline loop
+REQUEST_NUM_DRAFT_TOKENS = "agentspec.request.num_draft_tokens"  # most draft tokens per verify pass
+REQUEST_PREFIX_CACHE = "agentspec.request.prefix_cache"  # whether cached prefixes may be restored
+DRAFTER = "agentspec.drafter"  # the drafter used ("prompt_lookup", "model", ...); "none" for plain
+DRAFT_TOKENS = "agentspec.draft_tokens"  # proposed by the drafter and verified by the target
+ACCEPTED_TOKENS = "agentspec.accepted_tokens"  # of those, accepted
+FORCED_TOKENS = "agentspec.forced_tokens"  # written by a grammar without a choice left to the model
+JUMP_FORWARD_TOKENS = "agentspec.jump_forward_tokens"  # of the draft tokens, text a grammar forced
+JUMP_FORWARD_ACCEPTED = "agentspec.jump_forward_accepted"  # of those, accepted
+VERIFY_STEPS = "agentspec.verify_steps"  # target forward passes (each yields >= 1 token)
+DRAFT_FAILURES = "agentspec.draft_failures"  # drafter exceptions survived by decoding without it
+ACCEPTANCE_RATE = "agentspec.acceptance_rate"  # accepted / drafted
+MEAN_ACCEPTANCE_LENGTH = "agentspec.mean_acceptance_length"  # tokens per verify pass, bonus included
+ACCEPTANCE_HISTOGRAM = "agentspec.acceptance_histogram"  # [i]: verify passes that accepted i drafts
+PREFIX_TOKENS_RESTORED = "agentspec.prefix_cache.restored_tokens"  # = cache_read.input_tokens
+PREFILL_TOKENS = "agentspec.prefill_tokens"  # prompt tokens the target computed in this call
+TIME_TO_FIRST_TOKEN = "agentspec.time_to_first_token_s"  # from the call's start (cache restore included)
+DECODE_TIME = "agentspec.decode_s"  # time spent inside the decoder (not in the caller's hands)
+BASELINE_ESTIMATE = "agentspec.baseline_estimate_s"  # the same call, plain decoding, no cache (estimated)
+LATENCY_SAVED = "agentspec.latency_saved_s"  # baseline_estimate_s - decode_s; negative: a loss
+CLOSED_EARLY = "agentspec.closed_early"  # the caller stopped reading before the reply finished
+
+# -- metrics -------------------------------------------------------------------------------------------
+METRIC_OPERATION_DURATION = "gen_ai.client.operation.duration"  # histogram, s
+METRIC_TOKEN_USAGE = "gen_ai.client.token.usage"  # histogram, {token}, by gen_ai.token.type
+METRIC_TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"  # histogram, s
+METRIC_TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token"  # histogram, s (after the first)
+METRIC_DRAFT_TOKENS = "agentspec.draft.tokens"  # counter, {token}
+METRIC_ACCEPTED_TOKENS = "agentspec.accepted.tokens"  # counter, {token}
+METRIC_FORCED_TOKENS = "agentspec.forced.tokens"  # counter, {token}
+METRIC_CACHE_READ_TOKENS = "agentspec.prefix_cache.read.tokens"  # counter, {token}
+METRIC_LATENCY_SAVED = "agentspec.latency.saved"  # up-down counter, s (a call can lose time)
+METRIC_BASELINE_DURATION = "agentspec.baseline.duration"  # histogram, s: estimated plain-decoding time
+
+# bucket boundaries the GenAI conventions advise
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216)
+PER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+def span_name(model: str) -> str:
+    return f"{OPERATION} {model}"
+
+
+def base_attributes(model: str) -> dict[str, Any]:
+    """What every span and metric point of a call carries."""
+    return {OPERATION_NAME: OPERATION, PROVIDER_NAME: PROVIDER, REQUEST_MODEL: model}
+
+
+def request_attributes(model: str, options: Mapping[str, Any], streamed: bool) -> dict[str, Any]:
+    """A request's attributes; ``options`` are ``agentspec.stream`` options (GenerationConfig fields)."""
+    attrs = base_attributes(model)
+    attrs[REQUEST_STREAM] = streamed
+    pairs = (
+        (REQUEST_MAX_TOKENS, "max_new_tokens"),
+        (REQUEST_TEMPERATURE, "temperature"),
+        (REQUEST_TOP_P, "top_p"),
+        (REQUEST_TOP_K, "top_k"),
+        (REQUEST_SEED, "seed"),
+        (REQUEST_SPECULATIVE, "speculative"),
+        (REQUEST_NUM_DRAFT_TOKENS, "num_draft_tokens"),
+    )
+    for name, option in pairs:
+        if options.get(option) is not None:
+            attrs[name] = options[option]
+    if options.get("stop"):
+        attrs[REQUEST_STOP_SEQUENCES] = list(options["stop"])
+    if "prefix_cache" in options or "speculative" in options:  # a real request (not a failed one)
+        attrs[REQUEST_PREFIX_CACHE] = options.get("prefix_cache", True) not in (False, None)
+    return attrs
+
+
+def response_attributes(model: str, stats: DecodeStats) -> dict[str, Any]:
+    """Finish reason and usage (``gen_ai.*``) of a call that produced stats."""
+    attrs: dict[str, Any] = {
+        RESPONSE_MODEL: model,
+        USAGE_INPUT_TOKENS: stats.prompt_tokens,
+        USAGE_OUTPUT_TOKENS: stats.output_tokens,
+        USAGE_CACHE_READ_INPUT_TOKENS: stats.cached_tokens,
+    }
+    if stats.finish_reason is not None:
+        attrs[RESPONSE_FINISH_REASONS] = [stats.finish_reason]
+    return attrs
+
+
+def speculation_attributes(stats: DecodeStats) -> dict[str, Any]:
+    """The ``agentspec.*`` record of what drafting, the grammar and the prefix cache did."""
+    return {
+        DRAFTER: stats.drafter or "none",
+        DRAFT_TOKENS: stats.draft_tokens,
+        ACCEPTED_TOKENS: stats.accepted_tokens,
+        FORCED_TOKENS: getattr(stats, "forced_tokens", 0),
+        JUMP_FORWARD_TOKENS: getattr(stats, "jump_forward_tokens", 0),
+        JUMP_FORWARD_ACCEPTED: getattr(stats, "jump_forward_accepted", 0),
+        VERIFY_STEPS: stats.verify_steps,
+        DRAFT_FAILURES: stats.draft_failures,
+        ACCEPTANCE_RATE: stats.acceptance_rate,
+        MEAN_ACCEPTANCE_LENGTH: stats.mean_acceptance_length,
+        ACCEPTANCE_HISTOGRAM: list(stats.acceptance_histogram),
+        PREFIX_TOKENS_RESTORED: stats.cached_tokens,
+        PREFILL_TOKENS: stats.prefill_tokens,
+    }
+
+
+def timing_attributes(ttft_s: float | None, decode_s: float, baseline_s: float | None) -> dict[str, Any]:
+    """Measured times, and the estimate when there is one (saved = baseline - decode)."""
+    attrs: dict[str, Any] = {DECODE_TIME: decode_s}
+    if ttft_s is not None:
+        attrs[TIME_TO_FIRST_TOKEN] = ttft_s
+    if baseline_s is not None:
+        attrs[BASELINE_ESTIMATE] = baseline_s
+        attrs[LATENCY_SAVED] = baseline_s - decode_s
+    return attrs
+
+
+def error_type(exc: BaseException) -> str:
+    """``error.type`` for an exception: its class name (``ValueError``, ``TokenizerMismatchError``)."""
+    return type(exc).__qualname__
+
+
+def metric_attributes(model: str, error: str | None = None) -> dict[str, Any]:
+    """Attributes of a call's metric points: low cardinality (no ids, no counts)."""
+    attrs = base_attributes(model)
+    attrs[RESPONSE_MODEL] = model
+    if error is not None:
+        attrs[ERROR_TYPE] = error
+    return attrs

@@ -1,0 +1,448 @@
+"""OpenTelemetry spans and metrics of model calls (agentspec.telemetry), read back from memory.
+
+Spans go to an ``InMemorySpanExporter`` through a ``SimpleSpanProcessor``, metrics to an
+``InMemoryMetricReader``; both providers are injected (``tracer_provider=``/``meter_provider=``),
+since the global ones can be set only once per process. The chat calls run a tiny random Llama
+behind the embedded model's real tokenizer (its chat template, its tool-call format), so the whole
+LangChain path runs in milliseconds; its replies are noise, which is all these tests need. The
+latency estimate's arithmetic is checked on hand-written numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.tools import tool
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from agentspec.cache import PrefixCache
+from agentspec.models import ModelPair, ensure_default_model
+from agentspec.stats import DecodeStats
+from agentspec.telemetry import (
+    CallTrace,
+    CostModel,
+    baseline_seconds,
+    cost_model,
+    set_cost_model,
+    traced_stream,
+)
+from agentspec.telemetry import attributes as A
+from agentspec.telemetry.latency import Observed, Pass, calibrate, passes_of
+from integrations.langchain import ChatSpecDecode
+from integrations.langchain.messages import tool_call_text
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# a cost model with round numbers: prefill_s(n) = 0.1 + 0.01 n, decode_s(c) = 0.05 + 0.001 c
+ROUND = dict(p0=0.1, p1=0.01, p2=0.0, d0=0.05, d1=0.001)
+
+
+@tool
+def now() -> str:
+    """The current time."""
+    return "12:00"
+
+
+class WholeCall(ChatSpecDecode):
+    """Writes the whole ``now`` call into the reply when ``tool_choice="now"`` (a random model cannot)."""
+
+    def _prefill(self, messages, tools, tool_choice):
+        return tool_call_text("now", {}) if tool_choice == "now" else None
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tiny_llama):
+    """A tiny random Llama behind SmolLM2's tokenizer, with a fixed (round-number) cost model."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    model = tiny_llama(5, vocab_size=len(tokenizer), max_positions=1024)
+    cache = PrefixCache(64 << 20)
+    pair = ModelPair(target=model, tokenizer=tokenizer, name="tiny-smol", prefix_cache=cache)
+    set_cost_model(pair, CostModel(**ROUND))  # no calibration: the estimate is checked by hand
+    return pair
+
+
+@pytest.fixture
+def otel():
+    """(exporter, reader, providers as ChatSpecDecode keyword arguments)."""
+    exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    meter_provider = MeterProvider(metric_readers=[reader])
+    yield exporter, reader, {"tracer_provider": tracer_provider, "meter_provider": meter_provider}
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
+
+
+def _one_span(exporter):
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 1, [s.name for s in spans]
+    return spans[0]
+
+
+def _points(reader) -> dict[str, list]:
+    """Metric name -> its data points."""
+    out: dict[str, list] = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                out.setdefault(m.name, []).extend(m.data.data_points)
+    return out
+
+
+def _check_matches_reply(span, reply: AIMessage) -> None:
+    """Every count on the span is the one the reply's metadata reports (both read DecodeStats)."""
+    a, usage, spec = span.attributes, reply.usage_metadata, reply.response_metadata["speculative"]
+    stats = reply.response_metadata["stats"]
+    assert a[A.USAGE_INPUT_TOKENS] == usage["input_tokens"]
+    assert a[A.USAGE_OUTPUT_TOKENS] == usage["output_tokens"]
+    assert a[A.USAGE_CACHE_READ_INPUT_TOKENS] == usage["input_token_details"]["cache_read"]
+    assert a[A.PREFIX_TOKENS_RESTORED] == stats["cached_tokens"]
+    assert a[A.PREFILL_TOKENS] == stats["prefill_tokens"] == stats["prompt_tokens"] - stats["cached_tokens"]
+    assert a[A.RESPONSE_FINISH_REASONS] == (reply.response_metadata["finish_reason"],)
+    assert a[A.DRAFTER] == (spec["drafter"] or "none")
+    for name, key in [
+        (A.DRAFT_TOKENS, "draft_tokens"),
+        (A.ACCEPTED_TOKENS, "accepted_tokens"),
+        (A.VERIFY_STEPS, "verify_steps"),
+        (A.ACCEPTANCE_RATE, "acceptance_rate"),
+        (A.MEAN_ACCEPTANCE_LENGTH, "mean_acceptance_length"),
+    ]:
+        assert a[name] == spec[key], (name, a[name], spec[key])
+    assert list(a[A.ACCEPTANCE_HISTOGRAM]) == spec["acceptance_histogram"]
+    assert a[A.FORCED_TOKENS] == stats.get("forced_tokens", 0)
+    assert a[A.JUMP_FORWARD_TOKENS] == stats.get("jump_forward_tokens", 0)
+    assert a[A.LATENCY_SAVED] == pytest.approx(a[A.BASELINE_ESTIMATE] - a[A.DECODE_TIME])
+    duration = (span.end_time - span.start_time) / 1e9
+    assert 0 < a[A.DECODE_TIME] <= duration, (a[A.DECODE_TIME], duration)
+    assert 0 < a[A.TIME_TO_FIRST_TOKEN] <= duration
+
+
+# -- spans of chat calls ------------------------------------------------------------------------------
+
+
+def test_greedy_call(chat_pair, otel):
+    exporter, reader, providers = otel
+    llm = ChatSpecDecode(pair=chat_pair, max_tokens=12, prefix_cache=False, **providers)
+    reply = llm.invoke("Repeat after me: one two three, one two three, one two three.")
+    span = _one_span(exporter)
+    assert span.name == "chat tiny-smol" and span.kind == SpanKind.INTERNAL
+    assert span.status.status_code == StatusCode.UNSET
+    a = span.attributes
+    assert a[A.OPERATION_NAME] == "chat" and a[A.PROVIDER_NAME] == "agentspec"
+    assert a[A.REQUEST_MODEL] == a[A.RESPONSE_MODEL] == "tiny-smol"
+    assert a[A.REQUEST_MAX_TOKENS] == 12 and a[A.REQUEST_TEMPERATURE] == 0.0
+    assert a[A.REQUEST_STREAM] is False  # invoke aggregates the chunks
+    assert a[A.REQUEST_SPECULATIVE] is True and a[A.REQUEST_PREFIX_CACHE] is False
+    assert a[A.DRAFTER] == "prompt_lookup" and a[A.VERIFY_STEPS] >= 1
+    for absent in (A.REQUEST_TOP_P, A.REQUEST_TOP_K, A.REQUEST_SEED, A.ERROR_TYPE):
+        assert absent not in a, absent
+    _check_matches_reply(span, reply)
+    # the estimate: a prefill of P tokens, then one pass per further token (after P, P+1, ... cached),
+    # at the round costs times the scales this call's plain passes refreshed
+    cost = cost_model(chat_pair, create=False)
+    p, n = a[A.USAGE_INPUT_TOKENS], a[A.USAGE_OUTPUT_TOKENS]
+    prefill = (0.1 + 0.01 * p) * cost.prefill_scale
+    decode = sum(0.05 + 0.001 * (p + j) for j in range(n - 1)) * cost.decode_scale
+    assert a[A.BASELINE_ESTIMATE] == pytest.approx(prefill + decode)
+
+
+def test_sampled_call(chat_pair, otel):
+    exporter, _, providers = otel
+    llm = ChatSpecDecode(
+        pair=chat_pair, max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=3, stop=["\n\n"], **providers
+    )
+    reply = llm.invoke("Say something.")
+    span = _one_span(exporter)
+    a = span.attributes
+    assert a[A.REQUEST_TEMPERATURE] == 0.7 and a[A.REQUEST_TOP_P] == 0.9 and a[A.REQUEST_TOP_K] == 20
+    assert a[A.REQUEST_SEED] == 3 and a[A.REQUEST_STOP_SEQUENCES] == ("\n\n",)
+    _check_matches_reply(span, reply)
+
+
+def test_streamed_call_and_prefix_cache_reads(chat_pair, otel):
+    exporter, _, providers = otel
+    llm = ChatSpecDecode(pair=chat_pair, max_tokens=6, **providers)
+    first = [HumanMessage("The prefix cache keeps this sentence between calls. " * 3)]
+    llm.invoke(first)
+    chunks = list(llm.stream([*first, AIMessage("ok"), HumanMessage("And this?")]))
+    cold, warm = exporter.get_finished_spans()
+    assert cold.attributes[A.REQUEST_STREAM] is False and warm.attributes[A.REQUEST_STREAM] is True
+    reply = chunks[0]
+    for c in chunks[1:]:
+        reply += c
+    _check_matches_reply(warm, reply)
+    assert warm.attributes[A.USAGE_CACHE_READ_INPUT_TOKENS] >= cold.attributes[A.USAGE_INPUT_TOKENS] - 1
+    assert warm.attributes[A.PREFILL_TOKENS] < warm.attributes[A.USAGE_INPUT_TOKENS] / 2
+
+
+def test_stream_closed_early_is_not_an_error(chat_pair, otel):
+    exporter, _, providers = otel
+    llm = ChatSpecDecode(pair=chat_pair, max_tokens=40, prefix_cache=False, **providers)
+    stream = llm.stream("Count: one two three four five six seven eight nine ten")
+    next(stream)
+    stream.close()
+    span = _one_span(exporter)
+    assert span.attributes[A.CLOSED_EARLY] is True and A.ERROR_TYPE not in span.attributes
+    assert span.status.status_code == StatusCode.UNSET
+    assert span.attributes[A.USAGE_OUTPUT_TOKENS] < 40
+
+
+def test_tool_calling_call(chat_pair, otel):
+    exporter, _, providers = otel
+    llm = WholeCall(pair=chat_pair, max_tokens=30, prefix_cache=False, **providers)
+    reply = llm.bind_tools([now], tool_choice="now").invoke("What time is it?")
+    assert [c["name"] for c in reply.tool_calls] == ["now"]
+    span = _one_span(exporter)
+    assert span.attributes[A.RESPONSE_FINISH_REASONS] == ("stop",)
+    # the call was complete in the forced text: at most one pass (none when a grammar forces the end)
+    assert span.attributes[A.VERIFY_STEPS] <= 1 and span.attributes[A.USAGE_OUTPUT_TOKENS] <= 1
+    _check_matches_reply(span, reply)
+
+
+def test_failing_call(chat_pair, otel):
+    exporter, reader, providers = otel
+    llm = ChatSpecDecode(pair=chat_pair, max_tokens=4, **providers)
+    with pytest.raises(ValueError, match="context"):
+        llm.invoke("word " * 1200)  # longer than the 1,024-token context
+    with pytest.raises(ValueError, match="serves"):
+        llm.invoke("hi", model="another-model")  # fails in preparation, before decoding
+    long, wrong = exporter.get_finished_spans()
+    for span in (long, wrong):
+        assert span.name == "chat tiny-smol"
+        assert span.status.status_code == StatusCode.ERROR
+        assert span.attributes[A.ERROR_TYPE] == "ValueError"
+        assert [e.name for e in span.events] == ["exception"]
+        assert A.LATENCY_SAVED not in span.attributes  # nothing was decoded
+    assert long.attributes[A.REQUEST_MAX_TOKENS] == 1  # clipped to the (exhausted) context
+    (point,) = _points(reader)[A.METRIC_OPERATION_DURATION]  # both calls: one series, count 2
+    assert point.attributes[A.ERROR_TYPE] == "ValueError" and point.count == 2
+
+
+def test_metrics(chat_pair, otel):
+    exporter, reader, providers = otel
+    llm = ChatSpecDecode(pair=chat_pair, max_tokens=10, prefix_cache=False, **providers)
+    replies = [llm.invoke("one two three one two three one two three"), llm.invoke("four five six")]
+    spans = exporter.get_finished_spans()
+    points = _points(reader)
+    expected = {
+        A.METRIC_OPERATION_DURATION,
+        A.METRIC_TOKEN_USAGE,
+        A.METRIC_TIME_TO_FIRST_TOKEN,
+        A.METRIC_TIME_PER_OUTPUT_TOKEN,
+        A.METRIC_DRAFT_TOKENS,
+        A.METRIC_ACCEPTED_TOKENS,
+        A.METRIC_FORCED_TOKENS,
+        A.METRIC_CACHE_READ_TOKENS,
+        A.METRIC_LATENCY_SAVED,
+        A.METRIC_BASELINE_DURATION,
+    }
+    assert expected <= set(points), expected - set(points)
+    by_type = {p.attributes[A.TOKEN_TYPE]: p for p in points[A.METRIC_TOKEN_USAGE]}
+    assert by_type["input"].sum == sum(r.usage_metadata["input_tokens"] for r in replies)
+    assert by_type["output"].sum == sum(r.usage_metadata["output_tokens"] for r in replies)
+    assert by_type["input"].count == 2
+    (duration,) = points[A.METRIC_OPERATION_DURATION]
+    assert duration.count == 2 and duration.attributes[A.REQUEST_MODEL] == "tiny-smol"
+    assert A.ERROR_TYPE not in duration.attributes
+    (drafted,) = points[A.METRIC_DRAFT_TOKENS]
+    assert drafted.value == sum(s.attributes[A.DRAFT_TOKENS] for s in spans)
+    assert drafted.attributes[A.DRAFTER] == "prompt_lookup"
+    (accepted,) = points[A.METRIC_ACCEPTED_TOKENS]
+    assert accepted.value == sum(s.attributes[A.ACCEPTED_TOKENS] for s in spans)
+    (saved,) = points[A.METRIC_LATENCY_SAVED]
+    assert saved.value == pytest.approx(sum(s.attributes[A.LATENCY_SAVED] for s in spans))
+
+
+def test_no_sdk_records_nothing_and_leaves_the_generator_alone(chat_pair, monkeypatch):
+    call = CallTrace(
+        chat_pair,
+        "m",
+        {},
+        streamed=True,
+        tracer_provider=trace.NoOpTracerProvider(),
+        meter_provider=metrics.NoOpMeterProvider(),
+    )
+    steps = iter([])
+    assert not call.enabled and call.watch(steps) is steps
+    # the API's global stand-ins (no SDK installed) count as none
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: trace.ProxyTracerProvider())
+    from opentelemetry.metrics._internal import _ProxyMeterProvider
+
+    monkeypatch.setattr(metrics, "get_meter_provider", lambda: _ProxyMeterProvider())
+    assert not CallTrace(chat_pair, "m", {}, streamed=False).enabled
+    reply = ChatSpecDecode(pair=chat_pair, max_tokens=3).invoke("hi")  # and the model works as before
+    assert reply.usage_metadata["output_tokens"] == 3
+
+
+# -- under an agent run ---------------------------------------------------------------------------------
+
+
+def _agent(llm):
+    """A create_agent run whose first model call is forced to call ``now``, the second to answer."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import AgentMiddleware
+
+    class Script(AgentMiddleware):
+        def wrap_model_call(self, request, handler):
+            done = any(isinstance(m, AIMessage) for m in request.messages)
+            return handler(request.override(tool_choice="none" if done else "now"))
+
+    return create_agent(llm, tools=[now], middleware=[Script()])
+
+
+def test_spans_are_children_of_the_agent_span(chat_pair, otel):
+    exporter, _, providers = otel
+    llm = WholeCall(pair=chat_pair, max_tokens=6, **providers)
+    tracer = providers["tracer_provider"].get_tracer("test")
+    with tracer.start_as_current_span("agent") as outer:
+        out = _agent(llm).invoke({"messages": [HumanMessage("What time is it?")]})
+    assert [type(m).__name__ for m in out["messages"]] == [
+        "HumanMessage",
+        "AIMessage",
+        "ToolMessage",
+        "AIMessage",
+    ]
+    spans = exporter.get_finished_spans()
+    chats = [s for s in spans if s.name == "chat tiny-smol"]
+    assert len(chats) == 2, [s.name for s in spans]
+    for span in chats:
+        assert span.parent is not None and span.parent.span_id == outer.get_span_context().span_id
+        assert span.context.trace_id == outer.get_span_context().trace_id
+    assert chats[1].attributes[A.USAGE_CACHE_READ_INPUT_TOKENS] > 0  # the second call reused the first
+
+
+def test_spans_are_children_of_openinference_llm_spans(chat_pair, otel):
+    oi = pytest.importorskip(
+        "openinference.instrumentation.langchain",
+        reason="openinference-instrumentation-langchain (a dev dependency) is not installed",
+    )
+    exporter, _, providers = otel
+    instrumentor = oi.LangChainInstrumentor()
+    instrumentor.instrument(tracer_provider=providers["tracer_provider"])
+    try:
+        _agent(WholeCall(pair=chat_pair, max_tokens=6, **providers)).invoke(
+            {"messages": [HumanMessage("What time is it?")]}
+        )
+    finally:
+        instrumentor.uninstrument()
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    chats = [s for s in spans if s.name == "chat tiny-smol"]
+    assert len(chats) == 2, [s.name for s in spans]
+    for span in chats:
+        parent = by_id[span.parent.span_id]
+        assert parent.attributes.get("openinference.span.kind") == "LLM", (
+            parent.name,
+            dict(parent.attributes),
+        )
+        root = parent
+        while root.parent is not None:
+            root = by_id[root.parent.span_id]
+        assert root.attributes.get("openinference.span.kind") in ("CHAIN", "AGENT"), root.name
+
+
+# -- the core entry point -------------------------------------------------------------------------------
+
+
+def test_traced_stream(pair, otel):
+    exporter, _, providers = otel
+    set_cost_model(pair, CostModel(**ROUND))
+    steps = list(
+        traced_stream(pair, [1, 2, 3, 1, 2, 3, 1, 2], max_new_tokens=9, num_draft_tokens=3, **providers)
+    )
+    span = _one_span(exporter)
+    a, stats = span.attributes, steps[-1].stats
+    assert span.name == "chat tiny" and a[A.REQUEST_MAX_TOKENS] == 9 and a[A.REQUEST_NUM_DRAFT_TOKENS] == 3
+    assert a[A.DRAFTER] == "model" and a[A.DRAFT_TOKENS] == stats.draft_tokens > 0
+    assert a[A.ACCEPTED_TOKENS] == stats.accepted_tokens and a[A.USAGE_OUTPUT_TOKENS] == 9
+    assert a[A.RESPONSE_FINISH_REASONS] == ("length",) and a[A.REQUEST_PREFIX_CACHE] is True
+
+
+# -- the estimate, by hand ------------------------------------------------------------------------------
+
+
+def test_baseline_seconds_by_hand():
+    cost = CostModel(**ROUND)
+    stats = DecodeStats(prompt_tokens=10, output_tokens=3)
+    # prefill 10 tokens: 0.1 + 0.1; then 2 passes after 10 and 11 cached tokens: 0.06 + 0.061
+    assert baseline_seconds(cost, stats) == pytest.approx(0.2 + 0.06 + 0.061)
+    stats.forced_tokens = 2  # plain decoding has no jump-forward: a forced token costs a pass too
+    assert baseline_seconds(cost, stats) == pytest.approx(0.2 + 0.06 + 0.061)
+    assert baseline_seconds(cost, DecodeStats(prompt_tokens=10, output_tokens=0)) == pytest.approx(0.2)
+    quad = CostModel(p0=0.0, p1=0.0, p2=1e-6, d0=0.0, d1=0.0)
+    assert quad.prefill_s(1000) == pytest.approx(1.0)
+    cost.decode_scale, cost.prefill_scale = 2.0, 3.0
+    assert baseline_seconds(cost, stats) == pytest.approx(3 * 0.2 + 2 * (0.06 + 0.061))
+
+
+def test_passes_of_steps():
+    stats = DecodeStats(prompt_tokens=20, cached_tokens=12)
+    steps = [
+        Observed(True, 7, 2, 0, 2, 0.3),  # 8 uncached prompt tokens + 2 drafts, 1 accepted: 2 tokens
+        Observed(True, 0, 0, 0, 1, 0.1),  # a plain pass
+        Observed(False, 0, 0, 3, 3, 0.0),  # a grammar forces 3 tokens: no pass
+        Observed(True, 0, 2, 1, 4, 0.2),  # 1 more forced, 2 drafts accepted + the bonus token
+    ]
+    assert passes_of(stats, steps) == [
+        Pass(10, 12, 2, 0.3),
+        Pass(1, 21, 0, 0.1),
+        Pass(1 + 3 + 1 + 2, 20 + 6 - 4, 2, 0.2),  # unfed: the last bonus token and the 3 forced
+    ]
+
+
+def test_refresh_uses_only_baseline_like_passes():
+    cost = CostModel(**ROUND)
+    decode_at_100 = 0.05 + 0.001 * 100
+    cost.refresh([Pass(1, 100, 0, 2 * decode_at_100)] * 50)  # plain passes twice as slow as fitted
+    assert cost.decode_scale == pytest.approx(2.0, rel=0.01) and cost.prefill_scale == 1.0
+    before = (cost.decode_scale, cost.prefill_scale)
+    # a verify pass (k+1 tokens cost more than one, with more work around it), a short pass from
+    # scratch (mostly fixed cost): neither is used
+    cost.refresh([Pass(4, 100, 3, 9.0), Pass(8, 0, 0, 9.0)])
+    assert (cost.decode_scale, cost.prefill_scale) == before
+    cost.refresh([Pass(100, 0, 0, 0.5 * (0.1 + 0.01 * 100))] * 20)  # a from-scratch prefill at half
+    assert cost.prefill_scale == pytest.approx(0.5, rel=0.01)
+    # a pass over 33 tokens (3 of them drafts) after 50 cached ones is a prefill as well, here at half
+    cost.p2 = 1e-5  # its attention term: 33^2 + 2 * 33 * 50 pairs
+    cost.refresh([Pass(33, 50, 3, 0.5 * (0.1 + 0.01 * 33 + 1e-5 * (33 * 33 + 2 * 33 * 50)))] * 5)
+    assert cost.prefill_scale == pytest.approx(0.5, rel=0.01)
+    assert cost.prefill_s(33, 50) == pytest.approx(0.5 * (0.1 + 0.33 + 1e-5 * (33 * 33 + 3300)), rel=1e-3)
+
+
+def test_speculation_attributes_read_forced_tokens():
+    stats = DecodeStats(drafter=None, prompt_tokens=5, output_tokens=4)
+    assert A.speculation_attributes(stats)[A.FORCED_TOKENS] == 0  # before grammar decoding existed
+    stats.forced_tokens = 3
+    attrs = A.speculation_attributes(stats)
+    assert attrs[A.FORCED_TOKENS] == 3 and attrs[A.DRAFTER] == "none"
+
+
+def test_calibrate_fits_increasing_costs(pair):
+    cost = calibrate(pair, sizes=(8, 32, 64))
+    assert cost.p1 >= 0 and cost.p2 >= 0 and cost.d1 >= 0, cost
+    assert 0 < cost.prefill_s(8) <= cost.prefill_s(64) and cost.decode_s(10) > 0, cost
+
+
+def test_a_plain_call_saves_about_nothing(chat_pair, otel):
+    """Measured against itself (plain decoding, no cache), the estimate lands near the measurement."""
+    exporter, _, providers = otel
+    fitted = calibrate(chat_pair, sizes=(16, 128, 256))
+    set_cost_model(chat_pair, fitted)
+    try:
+        llm = ChatSpecDecode(
+            pair=chat_pair, max_tokens=40, speculative=False, prefix_cache=False, **providers
+        )
+        llm.invoke("A prompt of some length for the prefill to matter. " * 8)
+    finally:
+        set_cost_model(chat_pair, CostModel(**ROUND))
+    a = _one_span(exporter).attributes
+    assert a[A.USAGE_OUTPUT_TOKENS] == 40 and a[A.DRAFT_TOKENS] == 0
+    assert abs(a[A.LATENCY_SAVED]) < 0.35 * a[A.DECODE_TIME], (a[A.BASELINE_ESTIMATE], a[A.DECODE_TIME])
