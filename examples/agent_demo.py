@@ -3,6 +3,7 @@
 Run it (a few minutes on 2 CPU cores; the embedded model is fetched on first use):
 
     .venv/bin/python examples/agent_demo.py [--max-tokens 64] [--tasks 2] [--threads 1]
+        [--otlp-endpoint http://127.0.0.1:6006]
 
 A ``langchain.agents.create_agent`` agent with two real Python tools (they read a release log and an
 issue tracker from this file) answers questions about a software project, on the embedded
@@ -11,6 +12,14 @@ them were draft tokens the target accepted, and how many prompt tokens came from
 The same agent then runs again with ``speculative=False, prefix_cache=False`` (the same model and
 the same decoding loop, no drafts, no reuse) and the script prints the end-to-end speed-up and
 whether every answer was identical (greedy decoding is lossless: it must be).
+
+Every model call is traced with OpenTelemetry (``agentspec.telemetry``): after the run, a table built
+from the spans (kept in memory) shows each call's latency, the time agentspec estimates it saved
+against plain decoding without cache, accepted/drafted tokens and prompt tokens read from the cache,
+and the end-to-end total saved next to the measured difference between the two runs.
+``--otlp-endpoint`` also exports the spans over OTLP/HTTP (to Arize Phoenix, say: see
+``examples/phoenix_trace.py``), with the agent's own steps traced by OpenInference when
+``openinference-instrumentation-langchain`` is installed.
 
 Tool choice is scripted: the 135M model cannot yet pick tools and fill their arguments on its own
 (the grammar-constrained decoding issue addresses that), so a middleware sets ``tool_choice`` per
@@ -30,9 +39,14 @@ from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import agentspec
 from agentspec import ChatSpecDecode
+from agentspec.telemetry import attributes as A
 
 SYSTEM = """You are the release assistant of the Harbor project, a job scheduler written in Python.
 You answer questions from maintainers about releases and open issues. Rules:
@@ -123,6 +137,56 @@ def run(llm: ChatSpecDecode, label: str, tasks: list[str]) -> tuple[float, list[
     return time.perf_counter() - start, answers, meter
 
 
+def tracing(otlp_endpoint: str | None = None) -> tuple[TracerProvider, InMemorySpanExporter]:
+    """A TracerProvider keeping spans in memory and, given an endpoint, exporting them over OTLP/HTTP.
+
+    With an endpoint, the LangChain agent's own runs are traced too (OpenInference), so a backend
+    shows each ``chat`` span under the model call of the agent step that made it.
+    """
+    provider = TracerProvider(resource=Resource.create({"service.name": "agentspec-demo"}))
+    memory = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    if otlp_endpoint:
+        from agentspec.telemetry.phoenix import otlp_processor
+
+        provider.add_span_processor(otlp_processor(otlp_endpoint, batch=True))
+        try:
+            from openinference.instrumentation.langchain import LangChainInstrumentor
+        except ImportError:
+            print("(openinference-instrumentation-langchain is not installed: only model calls are traced)")
+        else:
+            LangChainInstrumentor().instrument(tracer_provider=provider)
+    return provider, memory
+
+
+def call_spans(memory: InMemorySpanExporter) -> list:
+    """The finished ``chat`` spans in call order."""
+    spans = [s for s in memory.get_finished_spans() if s.attributes.get(A.OPERATION_NAME) == "chat"]
+    return sorted(spans, key=lambda s: s.start_time)
+
+
+def call_table(spans: list, whats: list[str] | None = None) -> str:
+    """Per-call latency, estimated latency saved, accepted/drafted tokens and cache reads, from spans."""
+    lines = [
+        f"{'call':>4}  {'what':<17} {'latency':>8} {'saved':>8}  {'accepted/drafted':>16}  "
+        f"{'cache read/prompt':>17}  {'out':>4}"
+    ]
+    for i, span in enumerate(spans):
+        a = span.attributes
+        latency = (span.end_time - span.start_time) / 1e9
+        what = whats[i] if whats is not None and len(whats) == len(spans) else ""
+        drafts = f"{a.get(A.ACCEPTED_TOKENS, 0)}/{a.get(A.DRAFT_TOKENS, 0)}"
+        cache = f"{a.get(A.USAGE_CACHE_READ_INPUT_TOKENS, 0)}/{a.get(A.USAGE_INPUT_TOKENS, 0)}"
+        lines.append(
+            f"{i + 1:4d}  {what:<17} {latency:7.2f}s {a.get(A.LATENCY_SAVED, 0.0):+7.2f}s  {drafts:>16}  "
+            f"{cache:>17}  {a.get(A.USAGE_OUTPUT_TOKENS, 0):4d}"
+        )
+    total = sum((s.end_time - s.start_time) / 1e9 for s in spans)
+    saved = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans)
+    lines.append(f"{'all':>4}  {'':<17} {total:7.2f}s {saved:+7.2f}s")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64, help="cap on each answer's tokens")
@@ -134,20 +198,32 @@ def main() -> None:
         help="torch CPU threads (default 1: batch-1 decoding of a 135M model gains little from more, "
         "and on a busy machine two threads spin against each other and time both runs badly)",
     )
+    parser.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="also export the spans over OTLP/HTTP to URL/v1/traces (e.g. a Phoenix at http://127.0.0.1:6006)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tasks = TASKS[: args.tasks]
 
     pair = agentspec.load_pair()  # both agents share these weights
     print(f"model: {pair.name} on {pair.device}, {len(tasks)} task(s), answers capped at {args.max_tokens}")
-    ChatSpecDecode(pair=pair, max_tokens=4, prefix_cache=False).invoke("Warm up.")  # first-call costs
+    provider, memory = tracing(args.otlp_endpoint)
+    # first-call costs; with tracing on, this also calibrates the latency-saved cost model (seconds)
+    ChatSpecDecode(pair=pair, max_tokens=4, prefix_cache=False, tracer_provider=provider).invoke("Warm up.")
+    memory.clear()
 
-    fast = ChatSpecDecode(pair=pair, max_tokens=args.max_tokens)  # prompt-lookup drafts + prefix cache
-    base = ChatSpecDecode(pair=pair, max_tokens=args.max_tokens, speculative=False, prefix_cache=False)
+    traced = {"pair": pair, "max_tokens": args.max_tokens, "tracer_provider": provider}
+    fast = ChatSpecDecode(**traced)  # prompt-lookup drafts + prefix cache
+    base = ChatSpecDecode(**traced, speculative=False, prefix_cache=False)
     print("\nChatSpecDecode() (speculative, prefix cache):")
     t_fast, answers_fast, m_fast = run(fast, "spec", tasks)
+    spans_fast = call_spans(memory)
+    memory.clear()
     print("\nChatSpecDecode(speculative=False, prefix_cache=False):")
     t_base, answers_base, m_base = run(base, "base", tasks)
+    spans_base = call_spans(memory)
 
     for task, answer in zip(tasks, answers_fast):
         print(f"\nQ: {task}\nA: {answer.strip()}")
@@ -160,6 +236,17 @@ def main() -> None:
         f"prompt tokens {total(m_fast, 'prompt')}, read from the cache {total(m_fast, 'cached')}; "
         f"output tokens {total(m_fast, 'output')}, of which accepted drafts {total(m_fast, 'accepted')}"
     )
+
+    print("\nper call, from the OpenTelemetry spans of the agentspec run (saved: estimated against plain")
+    print("decoding without cache; see agentspec/telemetry/latency.py):")
+    print(call_table(spans_fast, [c["what"] for c in m_fast.calls]))
+    saved = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans_fast)
+    own = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans_base)
+    print(
+        f"total saved, estimated call by call: {saved:.1f} s; measured (plain run - agentspec run): "
+        f"{t_base - t_fast:.1f} s. The plain run's estimate of its own saving: {own:+.1f} s (ideally 0)"
+    )
+    provider.shutdown()  # flushes the OTLP export, if any
 
 
 if __name__ == "__main__":
