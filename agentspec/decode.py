@@ -233,12 +233,14 @@ def decode(
         t0 = time.perf_counter()
         room = min(budget - len(out), pair.max_context - len(seq))  # tokens this pass may add
         forced = constraint.take_forced(room) if jump else []  # certain: no model guess needed
+        # read before any draft is pushed: a drafter may draft up to the grammar's stop token on the path
+        finished = constraint is not None and constraint.terminated
         k = room - len(forced) - 1  # never draft past the token budget or the context window
         tokens = constraint.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if jump else []
         n_jump = len(tokens)
         k_draft = min(config.num_draft_tokens, k - n_jump)
         q = None
-        if drafter is not None and k_draft > 0 and not (constraint is not None and constraint.terminated):
+        if drafter is not None and k_draft > 0 and not finished:
             try:
                 draft = _propose(drafter, seq + forced + tokens, k_draft, config, gen, constraint)
                 draft = check_draft(draft, k_draft, vocab)
@@ -253,7 +255,7 @@ def decode(
             tokens = tokens[: _fit_to_grammar(constraint, tokens, n_jump, q is not None)]
         n_draft = len(tokens)
 
-        if forced and (len(forced) == room or constraint.terminated):
+        if forced and (len(forced) == room or finished):
             n, token, verified = 0, None, False  # the grammar alone finishes this call: no pass
         else:
             logits = target.forward(pending + forced + tokens, keep=n_draft + 1)  # [k+1, V]

@@ -118,6 +118,22 @@ def test_grammar_end_forces_eos_without_a_pass(eos_pair):
     assert r.stats.verify_steps < plain.stats.verify_steps
 
 
+@pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
+def test_a_draft_reaching_the_grammar_end_changes_nothing(eos_pair, drafter):
+    """A grammar-aware draft model drafts through the forced end, EOS included, onto the path:
+    the loop must still verify it (a bug once read the path's terminated state as the call's)."""
+    # a 3-token draft and its bonus fill "[ddd"; the next pass starts with the forced "x" and
+    # drafts the rest: a digit, the forced "]" and EOS
+    grammar = G.ebnf('root ::= "[" [0-2] [0-2] [0-2] "x" [0-2] "]"')
+    for prompt in PROMPTS:
+        expected = reference(eos_pair, prompt, grammar, 12)
+        r = agentspec.generate(
+            eos_pair, prompt, drafter, False, grammar, max_new_tokens=12, num_draft_tokens=3
+        )
+        assert r.token_ids == expected and expected[-1] == EOS, (prompt, r.token_ids, expected)
+        assert r.finish_reason == "stop"
+
+
 def test_stream_with_grammar_matches_generate(gpair):
     grammar = G.ebnf(FORCED)
     whole = agentspec.generate(gpair, PROMPTS[1], "model", False, grammar, max_new_tokens=16)
