@@ -141,7 +141,7 @@ def test_greedy_call(chat_pair, otel):
     assert a[A.REQUEST_MAX_TOKENS] == 12 and a[A.REQUEST_TEMPERATURE] == 0.0
     assert a[A.REQUEST_STREAM] is False  # invoke aggregates the chunks
     assert a[A.REQUEST_SPECULATIVE] is True and a[A.REQUEST_PREFIX_CACHE] is False
-    assert a[A.DRAFTER] == "prompt_lookup" and a[A.VERIFY_STEPS] >= 1
+    assert a[A.DRAFTER] not in ("none", None) and a[A.VERIFY_STEPS] >= 1  # the default drafter
     for absent in (A.REQUEST_TOP_P, A.REQUEST_TOP_K, A.REQUEST_SEED, A.ERROR_TYPE):
         assert absent not in a, absent
     _check_matches_reply(span, reply)
@@ -254,7 +254,7 @@ def test_metrics(chat_pair, otel):
     assert A.ERROR_TYPE not in duration.attributes
     (drafted,) = points[A.METRIC_DRAFT_TOKENS]
     assert drafted.value == sum(s.attributes[A.DRAFT_TOKENS] for s in spans)
-    assert drafted.attributes[A.DRAFTER] == "prompt_lookup"
+    assert drafted.attributes[A.DRAFTER] == spans[0].attributes[A.DRAFTER] != "none"
     (accepted,) = points[A.METRIC_ACCEPTED_TOKENS]
     assert accepted.value == sum(s.attributes[A.ACCEPTED_TOKENS] for s in spans)
     (saved,) = points[A.METRIC_LATENCY_SAVED]
@@ -361,7 +361,7 @@ def test_traced_stream(pair, otel):
     span = _one_span(exporter)
     a, stats = span.attributes, steps[-1].stats
     assert span.name == "chat tiny" and a[A.REQUEST_MAX_TOKENS] == 9 and a[A.REQUEST_NUM_DRAFT_TOKENS] == 3
-    assert a[A.DRAFTER] == "model" and a[A.DRAFT_TOKENS] == stats.draft_tokens > 0
+    assert a[A.DRAFTER] == stats.drafter and a[A.DRAFT_TOKENS] == stats.draft_tokens > 0
     assert a[A.ACCEPTED_TOKENS] == stats.accepted_tokens and a[A.USAGE_OUTPUT_TOKENS] == 9
     assert a[A.RESPONSE_FINISH_REASONS] == ("length",) and a[A.REQUEST_PREFIX_CACHE] is True
 
