@@ -511,10 +511,22 @@ class ChatSpecDecode(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
+        yield from self._replies(messages, stop, run_manager, kwargs, streamed=True)
+
+    def _replies(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+        streamed: bool,
+    ) -> Iterator[ChatGenerationChunk]:
+        """The chunks of one request (``streamed``: the caller streams; False when ``_generate``
+        aggregates them, which the span records as ``gen_ai.request.stream``)."""
         try:
             call = self._prepare(messages, stop, kwargs)
         except Exception as exc:
-            self._trace(None, run_manager, exc)
+            self._trace(None, run_manager, streamed, exc)
             raise
         start = time.perf_counter()
         splitter = ToolCallSplitter(call.names) if call.names is not None else None
@@ -522,7 +534,9 @@ class ChatSpecDecode(BaseChatModel):
         pending = splitter.feed(call.prompt.forced) if splitter is not None else []
         n_calls = 0
         errors: dict[str, str] = {}  # invalid call id -> why (chunk merging drops the error field)
-        trace = self._trace(call, run_manager)  # a span and metrics (no-ops without an OpenTelemetry SDK)
+        trace = self._trace(
+            call, run_manager, streamed
+        )  # a span and metrics (no-ops without an OpenTelemetry SDK)
         steps = trace.watch(agentspec.stream(call.pair, call.prompt.ids, call.drafter, **call.options))
         try:
             for step in steps:
@@ -598,7 +612,7 @@ class ChatSpecDecode(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+        return generate_from_stream(self._replies(messages, stop, run_manager, kwargs, streamed=False))
 
     async def _astream(
         self,
@@ -638,15 +652,15 @@ class ChatSpecDecode(BaseChatModel):
             cancelled.set()
             await asyncio.shield(worker)
 
-    def _trace(self, call: _Call | None, run_manager: Any, error: Exception | None = None) -> Any:
+    def _trace(
+        self, call: _Call | None, run_manager: Any, streamed: bool, error: Exception | None = None
+    ) -> Any:
         """The ``agentspec.telemetry.CallTrace`` of a call made from ``_stream``; with ``error``, a call
         that failed before decoding, recorded at once.
 
         The span's parent is the current span, or the span a LangChain tracer opened for this run
         when it has one (OpenInference's ``get_span(run_id)``: it does not make its spans current).
         """
-        import sys
-
         from opentelemetry import trace as otel_trace
 
         from agentspec.telemetry import CallTrace
@@ -656,8 +670,6 @@ class ChatSpecDecode(BaseChatModel):
             span = handler.get_span(run_manager.run_id) if hasattr(handler, "get_span") else None
             if isinstance(span, otel_trace.Span):
                 parent = otel_trace.set_span_in_context(span)
-        # frame 2 called _stream's first next(): generate_from_stream when _generate aggregates the reply
-        streamed = sys._getframe(2).f_code is not generate_from_stream.__code__
         trace = CallTrace(
             call.pair if call is not None else None,
             self.model_name,
