@@ -221,3 +221,11 @@ def test_stream_releases_text_early():
     assert splitter.feed("Hello ") == [("text", "Hello")]  # the space waits: a call may follow
     assert splitter.feed("world <tool") == [("text", " world")]  # "<tool" may be a tag
     assert splitter.feed("_call>") == []
+
+
+def test_a_block_cut_inside_its_closing_tag_keeps_its_complete_call():
+    for cut in ["\n</tool_call", "\n</tool_", "\n</", "\n<", "\n"]:
+        out = parse_tool_calls('<tool_call>\n{"name": "square", "arguments": {"x": 3}}' + cut, {"square"})
+        assert [(c["name"], c["args"]) for c in out.tool_calls] == [("square", {"x": 3})], cut
+    out = parse_tool_calls('<tool_call>\n{"name": "square", "arguments": {"x": 3', {"square"})
+    assert not out.tool_calls and out.invalid_tool_calls  # the JSON itself is cut: invalid

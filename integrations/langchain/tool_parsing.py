@@ -10,7 +10,8 @@ Formats recognised (vLLM's hermes and llama3_json parsers and SGLang's detectors
 
 Rules. Every call gets an id. A tagged block that does not parse, lacks a name, has non-object
 arguments or names a tool that was not bound becomes an invalid tool call, never an exception; an
-unterminated block at the end of the output is accepted if its JSON is complete, else invalid.
+unterminated block at the end of the output (cut by max_tokens, possibly inside the closing tag)
+is accepted if its JSON is complete, else invalid.
 Bare JSON (no tag) is only a tool call when every object in it is a well-formed call to a bound
 tool; anything else is an answer that happens to be JSON and stays text.
 
@@ -85,6 +86,8 @@ def parse_block(inner: str, names: Collection[str] | None, closed: bool = True) 
     """Calls from the text between ``<tool_call>`` and ``</tool_call>`` (object or list of objects)."""
     raw = OPEN + inner + (CLOSE if closed else "")
     text = inner.strip()
+    if not closed:  # cut by max_tokens inside the closing tag ("...}}\n</tool_"): the JSON may be whole
+        text = next((text[: -len(p)].rstrip() for p in _close_prefixes() if text.endswith(p)), text)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -95,6 +98,11 @@ def parse_block(inner: str, names: Collection[str] | None, closed: bool = True) 
             return [_invalid(None, raw, "empty list of tool calls")]
         return [_call_from_object(o, OPEN + json.dumps(o, ensure_ascii=False) + CLOSE, names) for o in obj]
     return [_call_from_object(obj, raw, names)]
+
+
+def _close_prefixes() -> list[str]:
+    """The non-empty proper prefixes of the closing tag, longest first."""
+    return [CLOSE[:i] for i in range(len(CLOSE) - 1, 0, -1)]
 
 
 def _guess_name(text: str) -> str | None:
