@@ -20,32 +20,17 @@ pytest.importorskip(
 )
 
 from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+from test_telemetry import WholeCall, now  # noqa: E402  (the same scripted tool call)
 
 from agentspec.cache import PrefixCache  # noqa: E402
 from agentspec.models import ModelPair, ensure_default_model  # noqa: E402
 from agentspec.telemetry import attributes as A  # noqa: E402
 from agentspec.telemetry.phoenix import local_phoenix, otlp_processor, spans_dataframe  # noqa: E402
-from integrations.langchain import ChatSpecDecode  # noqa: E402
-from integrations.langchain.messages import tool_call_text  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@tool
-def now() -> str:
-    """The current time."""
-    return "12:00"
-
-
-class WholeCall(ChatSpecDecode):
-    """Writes the whole ``now`` call into the reply when ``tool_choice="now"`` (a random model cannot)."""
-
-    def _prefill(self, messages, tools, tool_choice):
-        return tool_call_text("now", {}) if tool_choice == "now" else None
 
 
 def _run_agent(llm) -> list:
