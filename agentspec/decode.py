@@ -34,7 +34,7 @@ from agentspec.verify import greedy_verify, speculative_verify
 
 log = logging.getLogger(__name__)
 
-DRAFTER_NAMES = ("auto", "model", "prompt_lookup", "none")
+DRAFTER_NAMES = ("auto", "model", "model_scheduled", "suffix", "prompt_lookup", "none")
 
 
 @dataclass
@@ -61,17 +61,21 @@ class GenerationResult:
 
 
 def resolve_drafter(pair: ModelPair, drafter: Any, speculative: bool = True) -> Drafter | None:
-    """A drafter instance from a name ("auto", "model", "prompt_lookup", "none") or an instance."""
+    """A drafter instance from a name (``DRAFTER_NAMES``) or an instance.
+
+    "auto" (the default) is the hybrid of ``agentspec.drafters.hybrid``: suffix drafts, or the
+    confidence-scheduled draft model when the pair has one and it is worth more.
+    """
     if not speculative or drafter == "none":
         return None
-    if drafter is None or drafter == "auto":
-        drafter = "model" if pair.draft is not None else "prompt_lookup"
-    if drafter == "model":
-        if pair.draft is None:
-            raise ValueError("drafter='model' needs a pair loaded with a draft_model")
-        return ModelDrafter(pair.draft, vocab_size=pair.target.config.vocab_size)
+    if drafter is None:
+        drafter = "auto"
     if drafter == "prompt_lookup":
         return PromptLookupDrafter()
+    if isinstance(drafter, str) and drafter in DRAFTER_NAMES:
+        from agentspec.drafters import build_drafter
+
+        return build_drafter(pair, drafter)
     if isinstance(drafter, Drafter):
         return drafter
     raise ValueError(f"drafter: expected one of {DRAFTER_NAMES} or a Drafter, got {drafter!r}")

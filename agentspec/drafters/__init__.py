@@ -1,7 +1,36 @@
-"""Drafters propose tokens for the target to verify. See ``base.Drafter`` for the interface."""
+"""Drafters propose tokens for the target to verify. See ``base.Drafter`` for the interface.
+
+``model``: a draft model (fixed length, or confidence-scheduled with ``schedule``); ``prompt_lookup``:
+n-gram lookup in the context; ``suffix``: suffix trees over the request and earlier outputs;
+``hybrid``: ``drafter="auto"``, the suffix draft or the model's, whichever is worth more per pass.
+"""
 
 from agentspec.drafters.base import Draft, Drafter
+from agentspec.drafters.hybrid import (
+    DraftMemory,
+    HybridDrafter,
+    HybridModelDrafter,
+    build_drafter,
+    memory_for,
+)
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+from agentspec.drafters.schedule import Calibration, ConfidenceSchedule, VerifyCost
+from agentspec.drafters.suffix import SuffixDrafter, SuffixStore
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "PromptLookupDrafter"]
+__all__ = [
+    "Calibration",
+    "ConfidenceSchedule",
+    "Draft",
+    "DraftMemory",
+    "Drafter",
+    "HybridDrafter",
+    "HybridModelDrafter",
+    "ModelDrafter",
+    "PromptLookupDrafter",
+    "SuffixDrafter",
+    "SuffixStore",
+    "VerifyCost",
+    "build_drafter",
+    "memory_for",
+]

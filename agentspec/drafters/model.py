@@ -3,18 +3,30 @@
 Before each proposal the draft's cache is synced to the verified sequence (rolled back to the
 longest common prefix, then fed what is missing), so after a full accept the last draft token and
 the bonus token are fed together in one pass, and a restored prefix is reused as is.
+
+With a ``ConfidenceSchedule`` (``drafter="model_scheduled"``, and inside ``drafter="auto"``) the
+draft length is no longer fixed: the schedule may skip the draft model for a step, and stops the
+draft at the first position whose calibrated survival no longer pays for its verification. The
+confidence of a position is the top probability of the distribution the token is drawn from
+(after the grammar mask and, when sampling, temperature/top-k/top-p), read before the token is
+drawn: the length of a sampled draft never depends on the token sampled last (see ``schedule``).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft
+from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
 from agentspec.grammar import Constraint, apply_mask
 from agentspec.kv import ModelState
 from agentspec.sampling import probabilities
+
+CATCH_UP = 32  # the most verified tokens the draft is fed at the end of a call (see ``keep_up``)
 
 
 def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
@@ -32,30 +44,58 @@ def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, model, vocab_size: int):
+    def __init__(
+        self, model, vocab_size: int, schedule: ConfidenceSchedule | None = None, name: str | None = None
+    ):
         self.state = ModelState(model)
         self.vocab_size = vocab_size  # the target's logits width
+        self.schedule = schedule  # None: always draft k tokens
+        self.timer = PassTimer()  # times verify passes for the schedule's cost model
+        if name is not None:
+            self.name = name
 
     def propose(
         self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
     ) -> Draft:
         """Up to ``k`` tokens; with a ``constraint``, drawn under its mask and pushed onto its path."""
+        draft = self._draft(seq, k, config, generator, constraint)
+        self.timer.proposed()
+        return draft
+
+    def _draft(self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None) -> Draft:
         if k <= 0:
             return Draft([])
+        sched = self.schedule
+        if sched is not None:
+            if sched.calibration is None:
+                sched.begin(config.greedy)
+            if not sched.start(k):
+                return Draft([])
         pending = self.state.sync(seq[:-1]) + seq[-1:]
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for _ in range(k):
+            t0 = time.perf_counter()
             logits = fit_vocab(self.state.forward(pending, keep=1)[-1], self.vocab_size)  # [V]
+            if sched is not None and len(pending) == 1:
+                sched.cost.observe_draft(time.perf_counter() - t0)
             if constraint is not None:
                 allowed = constraint.allowed()
                 if constraint.terminated or not bool(allowed.any()):
                     break
                 logits = apply_mask(logits, allowed)
-            if config.greedy:
+            q = (
+                None
+                if config.greedy
+                else probabilities(logits, config.temperature, config.top_k, config.top_p)
+            )
+            if sched is not None:  # decided before the token is drawn: lossless for sampled drafts
+                confidence = torch.softmax(logits.float(), dim=-1).max() if q is None else q.max()
+                if not sched.include(float(confidence)):
+                    break
+            if q is None:
                 token = int(logits.argmax().item())
             else:
-                q = probabilities(logits, config.temperature, config.top_k, config.top_p)
                 token = int(torch.multinomial(q, 1, generator=generator).item())
                 qs.append(q)
             if constraint is not None and not constraint.push(token):
@@ -63,9 +103,14 @@ class ModelDrafter:
                 break
             tokens.append(token)
             pending = [token]
+        if sched is not None:
+            # a deterministic draft may also be cut after the fact, to its best prefix
+            n = sched.trim() if config.greedy else len(tokens)
+            sched.keep(min(n, len(tokens)))
+            tokens = tokens[:n]
         return Draft(tokens, torch.stack(qs) if qs else None)
 
-    def catch_up(self, ids: list[int], limit: int = 16) -> None:
+    def catch_up(self, ids: list[int], limit: int = CATCH_UP) -> None:
         """Feed the few verified tokens the draft has not seen, so it covers ``ids`` like the target.
 
         Called when a call ends, before its state is saved to the prefix cache. A longer gap (the
@@ -75,8 +120,28 @@ class ModelDrafter:
         if 0 < len(pending) <= limit:
             self.state.forward(pending, keep=1)
 
+    def keep_up(self, seq: list[int], lag: int = CATCH_UP) -> None:
+        """Feed the verified tokens the draft has not seen, once they are more than ``lag``.
+
+        A drafter that often skips the draft model (a schedule, ``drafter="auto"``) would otherwise
+        reach the end of a call far behind the target, and the prefix cache, which restores a prefix
+        only as far as every model covers it, would then restore the target no further than the
+        draft. One batched pass every ``lag`` tokens keeps ``catch_up`` at the end cheap.
+        """
+        if len(seq) - 1 - len(self.state.ids) > lag:
+            pending = self.state.sync(seq[:-1])
+            if pending:
+                self.state.forward(pending, keep=1)
+
     def feedback(self, seq, n_accepted, n_drafted) -> None:
-        pass  # the next propose() syncs the cache to the verified sequence
+        # the next propose() syncs the cache to the verified sequence; the schedule learns
+        if self.schedule is not None and self.schedule.cost is not None:
+            self.timer.verified(self.schedule.cost, n_drafted)
+            self.schedule.observe(n_accepted, n_drafted)
+            self.keep_up(seq)
 
     def reset(self) -> None:
         self.state.reset()
+        self.timer.reset()
+        if self.schedule is not None:
+            self.schedule.end_call()
