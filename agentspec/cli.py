@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.set_defaults(prompt=DEMO_PROMPT)
         p.add_argument("--model", default=None, help="target: hub id, folder or .gguf (default: embedded)")
-        p.add_argument("--draft-model", default=None, help="draft model (default: none, prompt lookup)")
-        p.add_argument("--drafter", default="auto", help="auto, model, prompt_lookup or none")
+        p.add_argument("--draft-model", default=None, help="draft model (default: none)")
+        p.add_argument("--drafter", default="auto", help="auto, suffix, model, model_scheduled, ...")
         p.add_argument("--max-tokens", type=int, default=96)
-        p.add_argument("--draft-tokens", type=int, default=5)
+        p.add_argument("--draft-tokens", type=int, default=None, help="cap per pass (default: the drafter's)")
         p.set_defaults(func=cmd_generate)
     args = parser.parse_args(argv)
     return args.func(args)

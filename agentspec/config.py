@@ -16,7 +16,9 @@ class GenerationConfig:
     top_p: float | None = None  # nucleus: keep the smallest set with mass >= top_p (None = 1)
     stop: tuple[str, ...] = ()  # stop strings; the output text ends before the first one
     seed: int | None = None  # seeds the sampler: same seed, same output
-    num_draft_tokens: int = 4  # the most draft tokens verified per target pass
+    # the most draft tokens verified per target pass; None: the drafter's own cap (``draft_cap``:
+    # 4 for a fixed-length draft model and prompt lookup, 16 for drafters that schedule their length)
+    num_draft_tokens: int | None = None
     speculative: bool = True  # False = the same loop with no draft (the honest baseline)
     # with a grammar: append tokens it forces without a model pass, and propose the text it forces
     # as draft tokens (verified like any draft)
@@ -29,7 +31,8 @@ class GenerationConfig:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         _check_int("max_new_tokens", self.max_new_tokens, low=1)
-        _check_int("num_draft_tokens", self.num_draft_tokens, low=0)
+        if self.num_draft_tokens is not None:
+            _check_int("num_draft_tokens", self.num_draft_tokens, low=0)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)):
             raise TypeError(f"temperature must be a number, got {type(t).__name__}")

@@ -34,6 +34,7 @@ from agentspec.verify import greedy_verify, speculative_verify
 
 log = logging.getLogger(__name__)
 
+DEFAULT_DRAFT_CAP = 4  # draft tokens per pass when neither the call nor the drafter sets a cap
 DRAFTER_NAMES = ("auto", "model", "model_scheduled", "suffix", "prompt_lookup", "none")
 
 
@@ -125,7 +126,7 @@ def check_draft(draft: Draft, k: int, vocab: int) -> Draft:
             raise ValueError(f"draft q has shape {tuple(q.shape)}, expected {(len(tokens), vocab)}")
         if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
             raise ValueError("draft q has negative or non-finite probabilities")
-    return Draft(tokens, q)
+    return Draft(tokens, q, getattr(draft, "source", None))
 
 
 def _drop(drafter: Drafter, exc: Exception, stats: DecodeStats) -> None:
@@ -226,6 +227,9 @@ def decode(
         grammar if isinstance(grammar, Constraint) or grammar is None else Constraint.for_pair(pair, grammar)
     )
     jump = constraint is not None and config.jump_forward
+    draft_cap = config.num_draft_tokens
+    if draft_cap is None:
+        draft_cap = getattr(drafter, "draft_cap", DEFAULT_DRAFT_CAP)
 
     pending = target.sync(seq[:-1]) + seq[-1:]
     stats.cached_tokens = len(seq) - len(pending)
@@ -242,8 +246,8 @@ def decode(
         k = room - len(forced) - 1  # never draft past the token budget or the context window
         tokens = constraint.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if jump else []
         n_jump = len(tokens)
-        k_draft = min(config.num_draft_tokens, k - n_jump)
-        q = None
+        k_draft = min(draft_cap, k - n_jump)
+        q, source = None, None
         if drafter is not None and k_draft > 0 and not finished:
             try:
                 draft = _propose(drafter, seq + forced + tokens, k_draft, config, gen, constraint)
@@ -251,6 +255,7 @@ def decode(
             except Exception as exc:  # the target alone gives the same output: carry on without
                 drafter = _drop(drafter, exc, stats)
                 draft = Draft([])
+            source = draft.source if draft.tokens else None
             if draft.q is not None:
                 jumped = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), vocab)
                 q = torch.cat([jumped.to(draft.q), draft.q]) if tokens else draft.q
@@ -258,6 +263,8 @@ def decode(
         if constraint is not None:
             tokens = tokens[: _fit_to_grammar(constraint, tokens, n_jump, q is not None)]
         n_draft = len(tokens)
+        if n_draft and source is None and n_jump == n_draft:
+            source = "jump_forward"  # only grammar-forced tokens: no drafter guessed
 
         if forced and (len(forced) == room or finished):
             n, token, verified = 0, None, False  # the grammar alone finishes this call: no pass
@@ -273,7 +280,7 @@ def decode(
                 n, token = speculative_verify(d, p, q[:n_draft] if q is not None else None, gen)
             assert 0 <= token < vocab, f"{token=} {vocab=}"
             target.truncate(len(seq) + len(forced) + n)  # roll back the rejected draft tokens
-            stats.observe_step(n_draft, n)
+            stats.observe_step(n_draft, n, source)
             stats.jump_forward_tokens += n_jump
             stats.jump_forward_accepted += min(n, n_jump)
             verified = True
@@ -355,11 +362,19 @@ def stream(
         target = states.get("target") or ModelState(pair.target)
         if isinstance(d, ModelDrafter) and "draft" in states:
             d.state = states["draft"]
+        ended = False  # finished, or closed by the caller: not failed
         try:
             yield from decode(pair, ids, config, d, target=target, grammar=grammar)
-            if cache is not None and isinstance(d, ModelDrafter):
-                d.catch_up(target.ids)  # the draft then covers the same verified tokens
+            ended = True
+        except GeneratorExit:
+            ended = True
+            raise
         finally:
+            if ended and cache is not None and isinstance(d, ModelDrafter):
+                try:  # the draft then covers the same verified tokens (also when closed early)
+                    d.catch_up(target.ids)
+                except Exception as exc:  # a broken draft: the cache keeps the part it covered
+                    log.warning("draft catch-up failed (%r); the cache keeps the draft's shorter part", exc)
             if cache is not None:
                 saved = {"target": target}
                 if isinstance(d, ModelDrafter):

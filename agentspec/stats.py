@@ -8,22 +8,14 @@ draft tokens.
 Per draft source (``drafter="auto"`` picks one per pass: "suffix", "model" or "none"; any other
 drafter is its own single source), ``source_steps``, ``source_draft_tokens`` and
 ``source_accepted_tokens`` split ``verify_steps``, ``draft_tokens`` and ``accepted_tokens``; a pass
-that verified no draft counts under "none". A drafter names the source of its proposal with
-``note_draft_source``; ``observe_step``, which the decoding loop calls right after verifying that
-proposal (in the same thread and context), consumes the note.
+that verified no draft counts under "none", one that verified only grammar-forced tokens under
+"jump_forward". The source of a proposal is its ``Draft.source``
+(default: the drafter's name), which the decoding loop passes to ``observe_step``.
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
-
-_DRAFT_SOURCE: ContextVar[str | None] = ContextVar("agentspec_draft_source", default=None)
-
-
-def note_draft_source(source: str) -> None:
-    """Name where the proposal being returned came from (read by the next ``observe_step``)."""
-    _DRAFT_SOURCE.set(source)
 
 
 @dataclass
@@ -48,12 +40,7 @@ class DecodeStats:
     source_draft_tokens: dict[str, int] = field(default_factory=dict)  # draft tokens verified, per source
     source_accepted_tokens: dict[str, int] = field(default_factory=dict)  # of those, accepted, per source
 
-    def __post_init__(self) -> None:
-        _DRAFT_SOURCE.set(None)  # a note left by an earlier call must not count here
-
-    def observe_step(self, drafted: int, accepted: int) -> None:
-        source = _DRAFT_SOURCE.get()
-        _DRAFT_SOURCE.set(None)
+    def observe_step(self, drafted: int, accepted: int, source: str | None = None) -> None:
         source = (source or self.drafter or "none") if drafted else "none"
         for counts, n in (
             (self.source_steps, 1),

@@ -23,7 +23,7 @@ timings compare decoding.
 The fixed-length model is the slowest configuration by far; it runs on every other turn, with
 length 2, to keep the run short (its ratio is against plain on the same turns; length 4 measured
 0.32x on all turns in an earlier run). Auto, suffix and the scheduled model choose their own
-lengths, up to --k (32).
+lengths, up to --k (default: the drafter's own cap, 16, as a user gets it).
 
 The draft model. SmolLM2-135M-Instruct has no smaller sibling and no trained draft yet (issue 8),
 so the draft is a layer-skip self-draft: the target's embeddings, its first --draft-layers
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--k-lookup", type=int, default=4, help="draft length of prompt_lookup (the default k)")
     ap.add_argument("--k-model", type=int, default=2, help="draft length of the fixed-length model")
-    ap.add_argument("--k", type=int, default=32, help="the most draft tokens of suffix, scheduled, auto")
+    ap.add_argument("--k", type=int, default=None, help="cap of suffix, scheduled, auto (default: theirs)")
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument(
         "--model-every", type=int, default=2, help="run the fixed-length model on every n-th turn"

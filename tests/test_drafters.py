@@ -36,7 +36,8 @@ from agentspec.drafters import (
 )
 from agentspec.drafters.schedule import DEFAULT_VERIFY_COST, best_length, isotonic, survival, worth_extending
 from agentspec.drafters.suffix import SuffixIndex
-from agentspec.stats import DecodeStats, note_draft_source
+from agentspec.stats import DecodeStats
+from agentspec.telemetry.attributes import source_attributes
 
 VOCAB = 64
 N_NEW = 16
@@ -234,17 +235,16 @@ def test_the_schedule_stops_where_confidence_drops():
 
 def test_stats_split_passes_by_draft_source():
     s = DecodeStats(drafter="auto")
-    note_draft_source("suffix")
-    s.observe_step(4, 3)
-    note_draft_source("model")
-    s.observe_step(2, 0)
-    s.observe_step(0, 0)  # no note, no draft
-    note_draft_source("suffix")
-    DecodeStats()  # a new call: an old note must not leak into it
-    s.observe_step(1, 1)  # no note: the drafter's own name
+    s.observe_step(4, 3, "suffix")
+    s.observe_step(2, 0, "model")
+    s.observe_step(0, 0, "suffix")  # nothing drafted: "none", whatever the source
+    s.observe_step(1, 1)  # no source: the drafter's own name
     assert s.source_steps == {"suffix": 1, "model": 1, "none": 1, "auto": 1}
     assert s.source_draft_tokens == {"suffix": 4, "model": 2, "none": 0, "auto": 1}
     assert s.source_accepted_tokens == {"suffix": 3, "model": 0, "none": 0, "auto": 1}
+    attrs = source_attributes(s)
+    assert attrs["agentspec.source.suffix.accepted_tokens"] == 3
+    assert attrs["agentspec.source.model.verify_steps"] == 1
     from integrations.langchain.chat_model import speculative_metadata
 
     meta = speculative_metadata(s)

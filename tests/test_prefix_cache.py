@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import agentspec
+import agentspec.kv
 from agentspec.cache import PrefixCache, RadixCache
 from agentspec.models import ModelPair
 
@@ -99,6 +100,28 @@ def test_draft_and_target_restored_to_the_same_tokens(models):
     # a call without the draft model reuses the target's entries alone
     r2 = agentspec.generate(pair, prompt + r1.token_ids, "prompt_lookup", **OPTS)
     assert r2.stats.cached_tokens == n
+
+
+def test_a_draft_that_covers_less_does_not_hold_the_target_back(models):
+    # a scheduled draft that sat out part of a call saves a shorter prefix than the target
+    pair = make_pair(models)
+    rng = random.Random(5)
+    prompt = conversation(rng, 40)
+    ns, tree = pair.prefix_cache.namespace(pair), pair.prefix_cache.tree
+    first = agentspec.generate(pair, prompt, "none", **OPTS)  # the target's KV for prompt + output
+    seen = prompt + first.token_ids
+    draft_state = agentspec.kv.ModelState(models[1])
+    draft_state.forward(seen[:15], keep=1)
+    tree.insert(ns, seen[:15], "draft", [(layer.keys, layer.values) for layer in draft_state.cache.layers])
+    states = pair.prefix_cache.restore(pair, seen, {"target": models[0], "draft": models[1]})
+    assert len(states["target"].ids) == len(seen) - 1 and states["draft"].ids == seen[:15]
+    for temperature in (0.0, 0.9):  # the draft feeds its gap when it drafts: outputs unchanged
+        kw = dict(temperature=temperature, seed=3, **OPTS)
+        cached = agentspec.generate(pair, seen, "model", **kw)
+        fresh = agentspec.generate(pair, seen, "model", prefix_cache=False, **kw)
+        assert cached.token_ids == fresh.token_ids
+        assert cached.stats.cached_tokens == len(seen) - 1
+    tree.check()
 
 
 def test_budget_is_never_exceeded(models):

@@ -4,7 +4,9 @@ An agent resends its growing conversation on every call. After a call, the KV st
 verified tokens (prompt + accepted output) of the target, and of the draft model when one was
 used, goes into a radix tree keyed by the token ids and namespaced by the model pair (names, dtype,
 device, and any ``extra`` key such as an adapter). The next call restores its longest cached
-prefix and prefills only the rest. Both models are restored to exactly the same tokens.
+prefix and prefills only the rest. The target is restored to its longest cached prefix; the draft
+model to the part of that prefix it covers (a draft that sat out part of a call, as a scheduled
+draft model may, covers less), and it catches up on the rest when it next drafts.
 """
 
 from __future__ import annotations
@@ -74,17 +76,20 @@ class PrefixCache:
         return (pair.key, self.extra_key)
 
     def restore(self, pair, ids: list[int], models: Mapping[str, object]) -> dict[str, ModelState]:
-        """ModelStates for each model, covering the longest cached prefix of ids[:-1].
+        """ModelStates for each model: the target's covers the longest cached prefix of ids[:-1],
+        each other model's the part of it that model has in the cache (see the module docstring).
 
         The last prompt token is always left to feed: its logits give the first output token.
+        Pass the target first.
         """
         states = {name: ModelState(model) for name, model in models.items()}
         if not all(_supports_reuse(s.cache) for s in states.values()):
             return states
-        n, segs = self.tree.lookup(self.namespace(pair), ids[:-1], list(models))
-        if n == 0:
-            return states
-        return {name: _state(model, segs[name], ids[:n]) for name, model in models.items()}
+        found = self.tree.lookup_each(self.namespace(pair), ids[:-1], list(models))
+        for name, (n, segs) in found.items():
+            if n:
+                states[name] = _state(models[name], segs, ids[:n])
+        return states
 
     def save(self, pair, states: Mapping[str, ModelState]) -> None:
         """Record the verified tokens each state covers (the draft: only what matches the target)."""

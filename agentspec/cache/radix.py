@@ -89,6 +89,30 @@ class RadixCache:
             finally:
                 self._release(match)
 
+    def lookup_each(
+        self, namespace: Hashable, ids: Sequence[int], models: Sequence[str]
+    ) -> dict[str, tuple[int, Segments]]:
+        """Per model, the longest prefix of ids it has KV for, along the first model's match.
+
+        The first model (the target) decides the path; another (a draft model that skipped some
+        tokens) may cover less of it, and then gets its own shorter prefix rather than cutting
+        the target's. Atomic like ``lookup``.
+        """
+        with self.lock:
+            match = self._match(namespace, ids, models[:1])
+            try:
+                out = {}
+                for m in models:
+                    n = 0
+                    for nd in match.nodes:
+                        if m not in nd.kv:
+                            break
+                        n += min(len(nd.key), match.length - n)
+                    out[m] = (n, self._gather(match, m, n))
+                return out
+            finally:
+                self._release(match)
+
     def _match(self, namespace: Hashable, ids: Sequence[int], models: Sequence[str]) -> Match:
         """Longest prefix of ids held with KV of all ``models``; its nodes are locked until release."""
         with self.lock:

@@ -16,14 +16,19 @@ class Draft:
 
     ``q`` is [len(tokens), V] when the drafter sampled from a distribution (temperature > 0), and
     None for greedy or model-free drafts (verification then treats the draft as one-hot).
+    ``source`` names where the tokens came from when a drafter has several sources (``drafter="auto"``:
+    "suffix" or "model"); None means the drafter's own name. The stats count passes per source.
     """
 
     tokens: list[int]
     q: torch.Tensor | None = None
+    source: str | None = None
 
 
 @runtime_checkable
 class Drafter(Protocol):
+    """A drafter may also set ``draft_cap``, its most draft tokens per pass when a call sets none."""
+
     name: str
 
     def propose(

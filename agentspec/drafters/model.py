@@ -43,6 +43,7 @@ def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
 
 class ModelDrafter:
     name = "model"
+    draft_cap = 4  # fixed length; with a schedule, 16 (the schedule stops drafts earlier)
 
     def __init__(
         self, model, vocab_size: int, schedule: ConfidenceSchedule | None = None, name: str | None = None
@@ -50,6 +51,8 @@ class ModelDrafter:
         self.state = ModelState(model)
         self.vocab_size = vocab_size  # the target's logits width
         self.schedule = schedule  # None: always draft k tokens
+        if schedule is not None:
+            self.draft_cap = 16
         self.timer = PassTimer()  # times verify passes for the schedule's cost model
         if name is not None:
             self.name = name
@@ -110,12 +113,20 @@ class ModelDrafter:
             tokens = tokens[:n]
         return Draft(tokens, torch.stack(qs) if qs else None)
 
+    @property
+    def idle(self) -> bool:
+        """A schedule has benched the draft model (it did not pay): keeping it in step is wasted work."""
+        return self.schedule is not None and self.schedule.backing_off
+
     def catch_up(self, ids: list[int], limit: int = CATCH_UP) -> None:
         """Feed the few verified tokens the draft has not seen, so it covers ``ids`` like the target.
 
         Called when a call ends, before its state is saved to the prefix cache. A longer gap (the
-        draft was reset after a failure) is left alone: the cache then keeps the draft's shorter part.
+        draft was reset after a failure, or sat out the call) is left alone: the cache then keeps
+        the draft's shorter part, and the draft feeds the rest when it next drafts.
         """
+        if self.idle:
+            return
         pending = self.state.sync(ids)
         if 0 < len(pending) <= limit:
             self.state.forward(pending, keep=1)
@@ -123,12 +134,12 @@ class ModelDrafter:
     def keep_up(self, seq: list[int], lag: int = CATCH_UP) -> None:
         """Feed the verified tokens the draft has not seen, once they are more than ``lag``.
 
-        A drafter that often skips the draft model (a schedule, ``drafter="auto"``) would otherwise
-        reach the end of a call far behind the target, and the prefix cache, which restores a prefix
-        only as far as every model covers it, would then restore the target no further than the
-        draft. One batched pass every ``lag`` tokens keeps ``catch_up`` at the end cheap.
+        A drafter that often skips the draft model (a schedule, ``drafter="auto"`` while suffix
+        drafts win) would otherwise fall far behind the target, and its next draft would first
+        feed the whole gap. One batched pass every ``lag`` tokens spreads that work; a benched
+        draft (``idle``) is not kept up at all: its next probe feeds the gap.
         """
-        if len(seq) - 1 - len(self.state.ids) > lag:
+        if not self.idle and len(seq) - 1 - len(self.state.ids) > lag:
             pending = self.state.sync(seq[:-1])
             if pending:
                 self.state.forward(pending, keep=1)

@@ -28,6 +28,7 @@ def lookup(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> li
 
 class PromptLookupDrafter:
     name = "prompt_lookup"
+    draft_cap = 4
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:

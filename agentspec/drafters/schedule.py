@@ -305,6 +305,12 @@ class ConfidenceSchedule:
         self.confidences: list[float] = []  # of the tokens included in the current proposal
         self.survivals: list[float] = []
 
+    @property
+    def backing_off(self) -> bool:
+        """Whether the draft model has stopped paying and is only probed now and then."""
+        cal = self.calibration if self.calibration is not None else self.shared_calibration
+        return cal.probe_interval > self.probe_every
+
     def projected_yield(self, k: int) -> float:
         """Best expected tokens per unit cost of drafting now, before any confidence is known.
 

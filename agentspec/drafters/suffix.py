@@ -207,6 +207,7 @@ class SuffixDrafter:
     """Drafts from a tree over this request (prompt + output) and the pair's tree of earlier outputs."""
 
     name = "suffix"
+    draft_cap = 16  # drafts grow with the match (FACTOR * match length) up to this
 
     def __init__(
         self,

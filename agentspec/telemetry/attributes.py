@@ -59,6 +59,11 @@ TIME_TO_FIRST_TOKEN = "agentspec.time_to_first_token_s"  # from the call's start
 DECODE_TIME = "agentspec.decode_s"  # time spent inside the decoder (not in the caller's hands)
 BASELINE_ESTIMATE = "agentspec.baseline_estimate_s"  # the same call, plain decoding, no cache (estimated)
 LATENCY_SAVED = "agentspec.latency_saved_s"  # baseline_estimate_s - decode_s; negative: a loss
+DRAFT_SOURCE = "agentspec.draft.source"  # metric attribute: where draft tokens came from ("suffix", ...)
+# per draft source ("auto" picks "suffix" or "model" each pass): passes, draft tokens, accepted
+SOURCE_STEPS = "agentspec.source.{}.verify_steps"
+SOURCE_DRAFT_TOKENS = "agentspec.source.{}.draft_tokens"
+SOURCE_ACCEPTED_TOKENS = "agentspec.source.{}.accepted_tokens"
 CLOSED_EARLY = "agentspec.closed_early"  # the caller stopped reading before the reply finished
 
 # -- metrics -------------------------------------------------------------------------------------------
@@ -140,7 +145,20 @@ def speculation_attributes(stats: DecodeStats) -> dict[str, Any]:
         ACCEPTANCE_HISTOGRAM: list(stats.acceptance_histogram),
         PREFIX_TOKENS_RESTORED: stats.cached_tokens,
         PREFILL_TOKENS: stats.prefill_tokens,
+        **source_attributes(stats),
     }
+
+
+def source_attributes(stats: DecodeStats) -> dict[str, Any]:
+    """``agentspec.source.<source>.*``: verify passes, draft tokens and accepted tokens per draft source."""
+    attrs: dict[str, Any] = {}
+    for template, counts in (
+        (SOURCE_STEPS, getattr(stats, "source_steps", {})),
+        (SOURCE_DRAFT_TOKENS, getattr(stats, "source_draft_tokens", {})),
+        (SOURCE_ACCEPTED_TOKENS, getattr(stats, "source_accepted_tokens", {})),
+    ):
+        attrs.update({template.format(source): n for source, n in counts.items()})
+    return attrs
 
 
 def timing_attributes(ttft_s: float | None, decode_s: float, baseline_s: float | None) -> dict[str, Any]:

@@ -261,8 +261,12 @@ class CallTrace:
             if stats.output_tokens > 1:
                 m.tpot.record(max(0.0, self.decode_s - self.ttft_s) / (stats.output_tokens - 1), attrs)
         spec = {**attrs, A.DRAFTER: stats.drafter or "none"}
-        m.draft.add(stats.draft_tokens, spec)
-        m.accepted.add(stats.accepted_tokens, spec)
+        drafted = stats.source_draft_tokens or {"none": stats.draft_tokens}
+        for source, n in drafted.items():  # by source: a dashboard can split auto's suffix/model drafts
+            if n:
+                by_source = {**spec, A.DRAFT_SOURCE: source}
+                m.draft.add(n, by_source)
+                m.accepted.add(stats.source_accepted_tokens.get(source, 0), by_source)
         m.forced.add(getattr(stats, "forced_tokens", 0), attrs)
         m.cache_read.add(stats.cached_tokens, attrs)
         if baseline is not None:

@@ -177,11 +177,12 @@ class ChatSpecDecode(BaseChatModel):
     None: no draft model (the default drafter then looks up n-grams in the prompt)."""
 
     drafter: Any = "auto"
-    """Who proposes draft tokens: "auto" (the draft model if there is one, else prompt lookup),
-    "model", "prompt_lookup", "none", or an ``agentspec.Drafter`` instance."""
+    """Who proposes draft tokens: "auto" (per pass, a suffix-tree draft over this conversation and
+    earlier replies, or the confidence-scheduled draft model, whichever is worth more), "suffix",
+    "model", "model_scheduled", "prompt_lookup", "none", or an ``agentspec.Drafter`` instance."""
 
-    max_draft_tokens: int = 4
-    """The most draft tokens verified per target forward pass."""
+    max_draft_tokens: int | None = None
+    """The most draft tokens verified per target forward pass (None: the drafter's own cap)."""
 
     temperature: float = 0.0
     """0 = greedy (deterministic); above 0 samples from softmax(logits / temperature)."""
