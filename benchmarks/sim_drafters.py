@@ -79,7 +79,7 @@ from agentspec.drafters.suffix import (  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks/results/agent_traces.json"
 CACHE = Path("/tmp/agentspec_sim_outputs.json")  # greedy replies of turns that do not round-trip
-K, K_LOOKUP, MAX_NEW = 32, 4, 48  # bench_agent_traces.py defaults (--k, --k-lookup, --max-new-tokens)
+K, K_LOOKUP, MAX_NEW = SuffixDrafter.draft_cap, 4, 48  # bench_agent_traces.py defaults (--k, --k-lookup, ...)
 
 
 # --- data --------------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def by_domain(turns, rows) -> dict[str, dict[str, float]]:
 
 VALIDATED = {
     "suffix": Variant("suffix"),
-    "auto_no_model": Variant("auto", kind="auto"),
+    "auto_no_model": Variant("auto", kind="auto", factor=hybrid.CANDIDATE_FACTOR),
     "prompt_lookup": Variant("prompt_lookup", kind="prompt_lookup"),
 }
 BRIEF = ("speedup", "acceptance_rate", "tokens", "cost")  # per domain, in the JSON
@@ -387,7 +387,7 @@ def variants(quick: bool) -> list[Variant]:
     """One-factor sweeps around the shipped defaults (both drafters), auto's calibration, then the grid."""
     out: list[Variant] = []
     for kind in ("suffix", "auto"):
-        base = Variant(f"{kind}", kind=kind)
+        base = Variant(f"{kind}", kind=kind, factor=hybrid.CANDIDATE_FACTOR if kind == "auto" else FACTOR)
         out.append(base)
         for f in (1, 2, 3, 4, 8):
             out.append(replace(base, name=f"{kind} factor={f}", factor=float(f)))
@@ -403,7 +403,7 @@ def variants(quick: bool) -> list[Variant]:
             out.append(replace(base, name=f"{kind} k={k}", k=k))
     for f, k in ((3, 16), (4, 16), (3, 32)):  # auto: the factor that pays with a 16-token cap
         out.append(Variant(f"auto factor={f} k={k}", "auto", factor=float(f), k=k))
-    auto = Variant("auto", kind="auto")
+    auto = Variant("auto", kind="auto", factor=hybrid.CANDIDATE_FACTOR)
     priors = {
         "shipped": None,
         "flat0.8": (0.8, 0.8, 0.8, 0.8),
