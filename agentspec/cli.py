@@ -1,4 +1,4 @@
-"""`agentspec` command line: fetch the default model, answer a prompt, run the demo."""
+"""`agentspec` command line: fetch the default model, answer a prompt, run the demo, distill a draft."""
 
 from __future__ import annotations
 
@@ -55,6 +55,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    """Distill a draft model for the target into --out (see agentspec.distill)."""
+    from agentspec.distill import DistillConfig, distill
+
+    options = {
+        "n_layers": args.layers,
+        "init_layers": args.init_layers,
+        "n_prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "time_budget_s": None if args.time_budget_s == 0 else args.time_budget_s,
+        "steps": args.steps,
+        "seed": args.seed,
+        "device": args.device,
+        "resume": args.resume,
+    }
+    try:
+        config = DistillConfig(**{k: v for k, v in options.items() if v is not None or k == "time_budget_s"})
+    except ValueError as exc:
+        print(f"agentspec distill: {exc}", file=sys.stderr)
+        return 2
+    out = distill(args.target, args.out, config=config)
+    print(f"draft ready: {out}  (load_pair(..., draft_model={str(out)!r}))")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +108,26 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-tokens", type=int, default=96)
         p.add_argument("--draft-tokens", type=int, default=None, help="cap per pass (default: the drafter's)")
         p.set_defaults(func=cmd_generate)
+    d = sub.add_parser("distill", help="train a draft model for a target on the target's own responses")
+    d.add_argument("--target", default=None, help="hub id, folder or .gguf (default: the embedded model)")
+    d.add_argument("--out", required=True, help="the draft folder to write (data/ and checkpoints/ inside)")
+    d.add_argument("--layers", type=int, default=2, help="decoder layers of the draft (default 2)")
+    d.add_argument("--init-layers", type=_layer_list, default=None, help="target layers to copy, e.g. 0,29")
+    d.add_argument(
+        "--prompts", type=int, default=2000, help="prompts to answer (the data budget may stop first)"
+    )
+    d.add_argument("--max-new-tokens", type=int, default=128, help="response length cap")
+    d.add_argument("--steps", type=int, default=None, help="training steps (default: what the budget allows)")
+    d.add_argument("--time-budget-s", type=float, default=3600.0, help="whole run, in seconds (0: no limit)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default=None, help="cpu, cuda, ... (default: CUDA when available)")
+    d.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="continue from --out's data and checkpoints (default) or start over",
+    )
+    d.set_defaults(func=cmd_distill)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -149,6 +149,15 @@ def _load_one(source: Any, device: torch.device, dtype: torch.dtype):
     return model, tok
 
 
+def _folder_tokenizer(folder: Path):
+    """The tokenizer saved in a folder, or None when it holds none (a draft of a tokenizer-less test)."""
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
 def check_tokenizers(target_tok, draft_tok) -> None:
     """Raise TokenizerMismatchError naming the first difference between two tokenizers."""
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
@@ -224,7 +233,8 @@ def load_pair(
     """Load a target model and an optional draft model that shares its tokenizer.
 
     ``model`` and ``draft_model`` each take a hub id, a local folder, a path to a ``.gguf`` file or
-    an already loaded transformers model (then pass ``tokenizer``). With ``model=None`` the
+    an already loaded transformers model (then pass ``tokenizer``). A ``draft_model`` folder written
+    by ``agentspec distill`` is loaded onto the target's own embeddings and LM head. With ``model=None`` the
     embedded default SmolLM2-135M-Instruct is used. ``device`` defaults to CUDA when available,
     else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU. ``prefix_cache_bytes`` is the byte
     budget of the pair's cross-call prefix cache (default: ``agentspec.cache.default_budget``).
@@ -242,8 +252,16 @@ def load_pair(
         tok = tokenizer
     draft, draft_name = None, None
     if draft_model is not None:
-        draft, draft_tok = _load_one(draft_model, dev, dt)
-        check_tokenizers(tok, draft_tok or tok)
+        from agentspec.distill.student import is_draft_folder, load_draft
+
+        if is_draft_folder(draft_model):  # distilled by `agentspec distill`: the target's embeddings
+            draft = load_draft(draft_model, target)
+            draft_tok = _folder_tokenizer(Path(draft_model).expanduser())
+            if draft_tok is not None:
+                check_tokenizers(tok, draft_tok)
+        else:
+            draft, draft_tok = _load_one(draft_model, dev, dt)
+            check_tokenizers(tok, draft_tok or tok)
         draft_name = str(getattr(draft_model, "name_or_path", draft_model))
     from agentspec.cache import PrefixCache, default_budget
 
