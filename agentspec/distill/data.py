@@ -221,6 +221,17 @@ def data_meta(cfg: DistillConfig, target_name: str, n_train: int, n_eval: int) -
     return {**meta, "target": target_name, "train_prompts": n_train, "eval_prompts": n_eval}
 
 
+@dataclass
+class SplitResult:
+    shards: int  # shards present (written now or before)
+    prompts: int  # prompts they hold
+    seconds: float  # time spent generating them (this run and earlier ones)
+
+    @property
+    def seconds_per_prompt(self) -> float | None:
+        return self.seconds / self.prompts if self.prompts else None
+
+
 def build_split(
     model,
     items: Sequence[PromptItem],
@@ -231,40 +242,37 @@ def build_split(
     eos_ids: set[int],
     pad_id: int,
     deadline: float | None = None,
+    seconds_per_prompt: float | None = None,
     on_shard: Callable[[int], None] | None = None,
-) -> tuple[int, float]:
-    """Write the shards of ``split`` still missing; return (shards present, seconds spent in all).
+) -> SplitResult:
+    """Write the shards of ``split`` still missing, in order.
 
-    With a ``deadline`` (``time.monotonic()``), a shard is not started when the mean time of the
-    shards so far says it would end after the deadline: the data stage ends early, complete shards
-    only. ``on_shard(n_prompts)`` is called after each shard (a progress bar).
+    With a ``deadline`` (``time.monotonic()``), a shard is not started when it would end after the
+    deadline at the time per prompt measured so far (before any shard of this split: at
+    ``seconds_per_prompt``, e.g. the held-out split's): the data stage ends early, with complete
+    shards only. ``on_shard(n_prompts)`` is called after each shard (a progress bar).
     """
     size = cfg.shard_prompts
     n_shards = (len(items) + size - 1) // size
-    seconds: list[float] = []
-    present = 0
+    done = SplitResult(0, 0, 0.0)
     split_salt = {"train": 0, "eval": 1}.get(split, 2)
     for index in range(n_shards):
         path = shard_path(folder, split, index)
         chunk = items[index * size : (index + 1) * size]
         if path.exists():
-            seconds.append(float(torch.load(path, weights_only=False)["seconds"]))
-            present += 1
-            if on_shard:
-                on_shard(len(chunk))
-            continue
-        if deadline is not None:
-            estimate = sum(seconds) / len(seconds) if seconds else 0.0
-            if time.monotonic() + estimate > deadline:
+            seconds = float(torch.load(path, weights_only=False)["seconds"])
+        else:
+            rate = done.seconds_per_prompt or seconds_per_prompt or 0.0
+            if deadline is not None and time.monotonic() + rate * len(chunk) > deadline:
                 break
-        split_seed = (cfg.seed * 4 + split_salt) * 100_003 + index
-        shard = make_shard(model, chunk, cfg, split_seed, eos_ids, pad_id)
-        atomic_save(shard, path)
-        seconds.append(shard["seconds"])
-        present += 1
+            split_seed = (cfg.seed * 4 + split_salt) * 100_003 + index
+            shard = make_shard(model, chunk, cfg, split_seed, eos_ids, pad_id)
+            atomic_save(shard, path)
+            seconds = shard["seconds"]
+        done = SplitResult(done.shards + 1, done.prompts + len(chunk), done.seconds + seconds)
         if on_shard:
             on_shard(len(chunk))
-    return present, sum(seconds)
+    return done
 
 
 def load_examples(folder: Path, split: str) -> list[Example]:

@@ -162,16 +162,13 @@ def distill(
         bar = tqdm(
             total=len(train_items) + len(eval_items), disable=not cfg.progress, desc="data", unit="prompt"
         )
-        on_shard = bar.update
-        common = dict(eos_ids=eos_ids, pad_id=pad_id, on_shard=on_shard)
-        build_split(model, eval_items, data_dir, "eval", cfg, **common)
-        n, _ = build_split(model, train_items, data_dir, "train", cfg, deadline=data_deadline, **common)
+        common = dict(eos_ids=eos_ids, pad_id=pad_id, on_shard=bar.update)
+        held = build_split(model, eval_items, data_dir, "eval", cfg, **common)
+        done = build_split(model, train_items, data_dir, "train", cfg, deadline=data_deadline,
+                           seconds_per_prompt=held.seconds_per_prompt, **common)  # fmt: skip
         bar.close()
-        if n * cfg.shard_prompts < len(train_items):
-            log(
-                f"data budget reached after {n} shards "
-                f"({min(n * cfg.shard_prompts, len(train_items))} of {len(train_items)} prompts)"
-            )
+        if done.prompts < len(train_items):
+            log(f"data budget reached after {done.prompts} of {len(train_items)} training prompts")
     train_examples, eval_examples = load_examples(data_dir, "train"), load_examples(data_dir, "eval")
     if not train_examples:
         raise RuntimeError(f"no training data in {data_dir}: the time budget ended before the first shard")
