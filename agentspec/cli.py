@@ -66,19 +66,21 @@ def cmd_distill(args: argparse.Namespace) -> int:
     """Distill a draft model for the target into --out (see agentspec.distill)."""
     from agentspec.distill import DistillConfig, distill
 
-    options = {
+    given = {
         "n_layers": args.layers,
         "init_layers": args.init_layers,
         "n_prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
-        "time_budget_s": None if args.time_budget_s == 0 else args.time_budget_s,
         "steps": args.steps,
         "seed": args.seed,
         "device": args.device,
         "resume": args.resume,
     }
+    options = {k: v for k, v in given.items() if v is not None}  # unset: DistillConfig's default
+    if args.time_budget_s is not None:
+        options["time_budget_s"] = args.time_budget_s or None  # 0: no limit
     try:
-        config = DistillConfig(**{k: v for k, v in options.items() if v is not None or k == "time_budget_s"})
+        config = DistillConfig(**options)
     except ValueError as exc:
         print(f"agentspec distill: {exc}", file=sys.stderr)
         return 2
@@ -111,16 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("distill", help="train a draft model for a target on the target's own responses")
     d.add_argument("--target", default=None, help="hub id, folder or .gguf (default: the embedded model)")
     d.add_argument("--out", required=True, help="the draft folder to write (data/ and checkpoints/ inside)")
-    d.add_argument("--layers", type=int, default=2, help="decoder layers of the draft (default 2)")
-    d.add_argument("--init-layers", type=_layer_list, default=None, help="target layers to copy, e.g. 0,29")
+    d.add_argument("--layers", type=int, help="decoder layers of the draft (default 2)")
     d.add_argument(
-        "--prompts", type=int, default=2000, help="prompts to answer (the data budget may stop first)"
+        "--init-layers", type=_layer_list, help="target layers to copy, e.g. 0,29 (default: spread)"
     )
-    d.add_argument("--max-new-tokens", type=int, default=128, help="response length cap")
-    d.add_argument("--steps", type=int, default=None, help="training steps (default: what the budget allows)")
-    d.add_argument("--time-budget-s", type=float, default=3600.0, help="whole run, in seconds (0: no limit)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--device", default=None, help="cpu, cuda, ... (default: CUDA when available)")
+    d.add_argument(
+        "--prompts", type=int, help="prompts to answer (default 2000; the data budget may stop first)"
+    )
+    d.add_argument("--max-new-tokens", type=int, help="response length cap (default 128)")
+    d.add_argument("--steps", type=int, help="training steps (default: what the time budget allows)")
+    d.add_argument(
+        "--time-budget-s", type=float, help="the whole run, in seconds (default 3600; 0: no limit)"
+    )
+    d.add_argument("--seed", type=int, help="default 0")
+    d.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
     d.add_argument(
         "--resume",
         action=argparse.BooleanOptionalAction,

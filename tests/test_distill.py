@@ -171,6 +171,32 @@ def test_cli_rejects_a_bad_option_before_loading_anything(tmp_path, capsys):
     assert "n_layers" in capsys.readouterr().err
 
 
+def test_cli_options_reach_the_config(tmp_path, monkeypatch):
+    import agentspec.distill
+    from agentspec.cli import main
+
+    seen = {}
+    monkeypatch.setattr(
+        agentspec.distill, "distill", lambda target, out, config: seen.update(locals()) or out
+    )
+    argv = [
+        "distill",
+        "--out",
+        str(tmp_path),
+        "--init-layers",
+        "0,29",
+        "--time-budget-s",
+        "0",
+        "--steps",
+        "5",
+    ]
+    assert main([*argv, "--no-resume", "--target", "some/model"]) == 0
+    cfg = seen["config"]
+    assert (seen["target"], cfg.init_layers, cfg.time_budget_s, cfg.steps, cfg.resume) == (
+        "some/model", (0, 29), None, 5, False)  # fmt: skip
+    assert (cfg.n_layers, cfg.n_prompts) == (DistillConfig().n_layers, DistillConfig().n_prompts)
+
+
 # ------------------------------------------------------------------------------------- prompts
 def test_prompts_are_deterministic_varied_and_prefix_stable(byte_tokenizer):
     a, b = make_prompts(200, seed=0), make_prompts(200, seed=0)
