@@ -242,15 +242,13 @@ def build_split(
     eos_ids: set[int],
     pad_id: int,
     deadline: float | None = None,
-    seconds_per_prompt: float | None = None,
     on_shard: Callable[[int], None] | None = None,
 ) -> SplitResult:
     """Write the shards of ``split`` still missing, in order.
 
     With a ``deadline`` (``time.monotonic()``), a shard is not started when it would end after the
-    deadline at the time per prompt measured so far (before any shard of this split: at
-    ``seconds_per_prompt``, e.g. the held-out split's): the data stage ends early, with complete
-    shards only. ``on_shard(n_prompts)`` is called after each shard (a progress bar).
+    deadline at the time per prompt measured so far: the data stage ends early, with complete
+    shards only, and at least one. ``on_shard(n_prompts)`` is called after each shard (a progress bar).
     """
     size = cfg.shard_prompts
     n_shards = (len(items) + size - 1) // size
@@ -262,8 +260,9 @@ def build_split(
         if path.exists():
             seconds = float(torch.load(path, weights_only=False)["seconds"])
         else:
-            rate = done.seconds_per_prompt or seconds_per_prompt or 0.0
-            if deadline is not None and time.monotonic() + rate * len(chunk) > deadline:
+            rate = done.seconds_per_prompt or 0.0
+            # the first shard is always written: a run without training data is no use at all
+            if deadline is not None and done.shards and time.monotonic() + rate * len(chunk) > deadline:
                 break
             split_seed = (cfg.seed * 4 + split_salt) * 100_003 + index
             shard = make_shard(model, chunk, cfg, split_seed, eos_ids, pad_id)
