@@ -351,3 +351,13 @@ def test_prompt_positions_and_token_id_prompts(tiny_target, tmp_path):
     e = load_examples(out / "data", "train")[0]
     assert e.first == 1 and len(e.topk_ids) == len(e.ids) - 1 and e.kind == "custom"
     assert load_draft(out, tiny_target).config.num_hidden_layers == 1
+
+
+def test_time_budget_stops_cleanly_with_a_loadable_draft(tiny_target, byte_tokenizer, tmp_path):
+    """A budget already spent: one training shard (always), no step, yet a checkpoint and a draft."""
+    opts = {**TINY, "time_budget_s": 0.01}
+    out = distill(tiny_target, tmp_path / "d", tokenizer=byte_tokenizer, n_layers=1, **opts)
+    assert sorted(p.name for p in (out / "data").glob("train-*.pt")) == ["train-00000.pt"]
+    assert os.listdir(out / "checkpoints") == ["step-0000000.pt"]
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 0
+    assert load_draft(out, tiny_target).config.num_hidden_layers == 1
