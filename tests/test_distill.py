@@ -317,7 +317,8 @@ def test_decoding_with_the_distilled_draft_is_lossless(distilled, tiny_target, b
         for drafter in ("model", "model_scheduled"):
             spec = agentspec.generate(pair, ids, drafter=drafter, max_new_tokens=24)
             assert spec.token_ids == plain.token_ids, f"{drafter=}"
-        assert spec.stats.draft_tokens > 0
+            # the schedule may bench a draft that does not pay (timing-dependent); "model" always drafts
+            assert drafter != "model" or spec.stats.draft_tokens > 0
 
 
 def test_resume_continues_from_the_last_checkpoint(

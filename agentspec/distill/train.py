@@ -208,7 +208,7 @@ def evaluate(student, examples: Sequence[Example], pad_id: int, batch_tokens: in
 class TrainState:
     step: int = 0
     total_steps: int | None = None  # fixed once known (steps, or estimated from the budget)
-    seconds: float = 0.0  # training time spent over all runs
+    seconds: float = 0.0  # wall time of training (evaluation, checkpoints included), over all runs
     tokens: int = 0  # real tokens seen
     eval_seconds: float = 0.0  # one held-out evaluation's time (the end reserve)
     initial_eval: dict = field(default_factory=dict)  # held-out metrics before training
@@ -285,7 +285,7 @@ def train(
         torch.manual_seed(cfg.seed)
         t0 = time.perf_counter()
         state.initial_eval = evaluate(student, eval_examples, pad_id, cfg.batch_tokens)
-        state.eval_seconds = time.perf_counter() - t0
+        state.eval_seconds = state.seconds = time.perf_counter() - t0
     if cfg.steps is not None:
         state.total_steps = cfg.steps
     plan = BatchPlan([len(e.ids) for e in train_examples], cfg.batch_tokens, cfg.seed)
@@ -293,8 +293,10 @@ def train(
     bar = tqdm(
         total=state.total_steps, initial=state.step, disable=not cfg.progress, desc="distill", unit="step"
     )
-    step_times: list[float] = []
+    step_times: list[float] = []  # this run's step times, the first one left out
     interval_loss: list[float] = []
+    t_run, seconds_before = time.monotonic(), state.seconds  # state.seconds: wall time, all runs
+    first_step_done = False
     while state.total_steps is None or state.step < state.total_steps:
         mean_step = sum(step_times) / len(step_times) if step_times else 0.0
         if deadline is not None and time.monotonic() + mean_step + state.eval_seconds > deadline:
@@ -321,14 +323,16 @@ def train(
         opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
         state.step += 1
-        state.seconds += seconds
+        state.seconds = seconds_before + time.monotonic() - t_run
         state.tokens += batch.n_tokens
         interval_loss.append(loss.item())
-        if state.step > 1:  # the first step pays one-off costs
+        if first_step_done:  # the first step of a run pays one-off costs
             step_times.append(seconds)
+        first_step_done = True
         if state.total_steps is None and len(step_times) >= MEASURE_STEPS and deadline is not None:
             left = deadline - time.monotonic() - state.eval_seconds
-            state.total_steps = state.step + max(0, int(left / (sum(step_times) / len(step_times))))
+            typical = sorted(step_times)[len(step_times) // 2]  # the median: robust to a stall
+            state.total_steps = state.step + max(0, int(0.98 * left / typical))
             bar.total = state.total_steps
             log(f"{state.total_steps} steps fit in the time budget")
         bar.update(1)
@@ -343,6 +347,7 @@ def train(
     if interval_loss:
         state.losses.append(sum(interval_loss) / len(interval_loss))
     # a run stopped before its total was estimated keeps total_steps None: a resumed run estimates it
+    state.seconds = seconds_before + time.monotonic() - t_run
     save_checkpoint(folder, student, opt, state, cfg)
     student.eval()
     return state
