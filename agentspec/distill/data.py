@@ -116,7 +116,7 @@ def respond(
     torch.manual_seed(seed)  # generate samples from the global generator
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
     new = out.sequences[:, ids.shape[1] :].cpu()
-    # one [B, V] row per generated step; reduce each to top-k at once to keep memory flat
+    # out.logits: one [B, V] tensor per generated step, raw (before temperature or any processor)
     steps = [topk_logprobs(step_logits, k) for step_logits in out.logits]
     top_ids = torch.stack([s[0].cpu() for s in steps], dim=1)  # [B, T, k]
     top_logp = torch.stack([s[1].cpu() for s in steps], dim=1)
@@ -133,7 +133,8 @@ def prompt_topk(model, ids: Sequence[int], start: int, k: int, chunk: int = 512)
     """The teacher's top-k for prompt positions 1..start-1 (one forward pass over the prompt)."""
     x = torch.tensor([list(ids[:start])], dtype=torch.long, device=model.device)
     hidden = model.model(input_ids=x).last_hidden_state[0, :-1]  # [start - 1, H]
-    parts = [topk_logprobs(model.lm_head(hidden[i : i + chunk]), k) for i in range(0, len(hidden), chunk)]
+    head = model.get_output_embeddings()  # in chunks: a [start, V] logits tensor can be large
+    parts = [topk_logprobs(head(hidden[i : i + chunk]), k) for i in range(0, len(hidden), chunk)]
     if not parts:
         return torch.zeros((0, k), dtype=torch.int32), torch.zeros((0, k), dtype=torch.float16)
     return torch.cat([p[0] for p in parts]).cpu(), torch.cat([p[1] for p in parts]).cpu()
