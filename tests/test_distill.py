@@ -122,6 +122,16 @@ def test_batches_cover_every_example_once_within_the_token_budget():
     assert batches == make_batches(lengths, 512, seed=3) != make_batches(lengths, 512, seed=4)
 
 
+def test_generation_batches_group_by_mode_and_length_within_the_budgets():
+    from agentspec.distill.data import PromptItem, generation_batches
+
+    lengths = [40, 600, 35, 300, 90, 45, 310, 50]
+    items = [PromptItem([0] * n, "chat", greedy=i % 4 != 3) for i, n in enumerate(lengths)]
+    batches = generation_batches(items, max_prompts=3, max_tokens=700)
+    # greedy first, each call one mode, sorted by length, <= 3 prompts and <= 700 padded tokens
+    assert batches == [[2, 0, 5], [4, 6], [1], [7, 3]]
+
+
 def test_collate_maps_teacher_rows_to_the_positions_that_predict_them():
     k = 2
     resp = Example(torch.tensor([5, 6, 7, 8]), start=2, first=2, topk_ids=torch.tensor([[7, 0], [8, 0]]),

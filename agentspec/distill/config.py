@@ -43,8 +43,9 @@ class DistillConfig:
     top_k: int = 32  # teacher log-probs stored per position (the distillation target)
     heldout_fraction: float = 0.1  # prompts held out by a hash of their content, never trained on
     max_eval_prompts: int = 48  # held-out prompts actually answered (greedily) for the evaluation
-    shard_prompts: int = 32  # prompts per data shard (the unit of resuming the data stage)
-    gen_batch_size: int = 16  # prompts per model.generate call
+    shard_prompts: int = 64  # prompts per data shard (the unit of resuming the data stage)
+    gen_batch_size: int = 32  # at most this many prompts per model.generate call
+    gen_batch_tokens: int = 4096  # and at most this many padded prompt tokens (left padding)
     prompt_weight: float = 0.0  # loss weight of prompt positions (0: responses only)
     store_prompt_positions: bool | None = None  # store teacher log-probs at prompt positions
     #   too (one more forward per prompt); None: when prompt_weight > 0
@@ -83,6 +84,7 @@ class DistillConfig:
             "max_eval_prompts",
             "shard_prompts",
             "gen_batch_size",
+            "gen_batch_tokens",
             "batch_tokens",
             "checkpoint_every",
         ):
