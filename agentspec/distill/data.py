@@ -276,7 +276,7 @@ def build_split(
         path = shard_path(folder, split, index)
         chunk = items[index * size : (index + 1) * size]
         if path.exists():
-            seconds = float(torch.load(path, weights_only=False)["seconds"])
+            seconds = float(torch.load(path, map_location="cpu", weights_only=False)["seconds"])
         else:
             rate = done.seconds_per_prompt or 0.0
             # the first shard is always written: a run without training data is no use at all
@@ -297,7 +297,7 @@ def load_examples(folder: Path, split: str) -> list[Example]:
     out: list[Example] = []
     index = 0
     while (path := shard_path(folder, split, index)).exists():
-        shard = torch.load(path, weights_only=False)
+        shard = torch.load(path, map_location="cpu", weights_only=False)
         for j in range(len(shard["ids"])):
             out.append(
                 Example(

@@ -108,12 +108,18 @@ def prompt_items(
 
 
 def _shard_seconds(folder: Path) -> float:
-    return sum(float(torch.load(p, weights_only=False)["seconds"]) for p in folder.glob("*-*.pt"))
+    return sum(
+        float(torch.load(p, map_location="cpu", weights_only=False)["seconds"]) for p in folder.glob("*-*.pt")
+    )
 
 
 def _train_seconds(folder: Path) -> float:
     paths = checkpoint_paths(folder)
-    return float(torch.load(paths[-1], weights_only=False)["state"]["seconds"]) if paths else 0.0
+    return (
+        float(torch.load(paths[-1], map_location="cpu", weights_only=False)["state"]["seconds"])
+        if paths
+        else 0.0
+    )
 
 
 def distill(
@@ -127,8 +133,9 @@ def distill(
 ) -> Path:
     """Distill a draft for ``target`` into the folder ``out``; return it.
 
-    ``target``: a hub id, folder, ``.gguf`` file, a loaded model (then pass ``tokenizer``), or None
-    for the embedded default. ``prompts``: None for the built-in generator, or a list of
+    ``target``: a hub id, folder, ``.gguf`` file, a loaded model (then pass ``tokenizer``; it is used
+    on its own device and dtype), or None for the embedded default (loaded in float32 on
+    ``device``). ``prompts``: None for the built-in generator, or a list of
     ``PromptSpec`` / token-id lists (the only way for a tokenizer without a chat template).
     ``options`` are ``DistillConfig`` fields (on top of ``config`` when given).
     """

@@ -241,7 +241,7 @@ def load_checkpoint(folder: Path, student, opt, cfg: DistillConfig) -> TrainStat
     paths = checkpoint_paths(folder)
     if not paths:
         return None
-    ckpt = torch.load(paths[-1], weights_only=False)
+    ckpt = torch.load(paths[-1], map_location="cpu", weights_only=False)
     for name in MODEL_FIELDS:
         if ckpt["config"].get(name) != cfg.as_dict()[name]:
             raise ValueError(
