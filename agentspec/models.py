@@ -150,7 +150,7 @@ def _load_one(source: Any, device: torch.device, dtype: torch.dtype):
 
 
 def _folder_tokenizer(folder: Path):
-    """The tokenizer saved in a folder, or None when it holds none (a draft of a tokenizer-less test)."""
+    """The tokenizer saved in a folder, or None when it holds none (a draft distilled from token ids)."""
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
     from transformers import AutoTokenizer
@@ -234,10 +234,11 @@ def load_pair(
 
     ``model`` and ``draft_model`` each take a hub id, a local folder, a path to a ``.gguf`` file or
     an already loaded transformers model (then pass ``tokenizer``). A ``draft_model`` folder written
-    by ``agentspec distill`` is loaded onto the target's own embeddings and LM head. With ``model=None`` the
-    embedded default SmolLM2-135M-Instruct is used. ``device`` defaults to CUDA when available,
-    else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU. ``prefix_cache_bytes`` is the byte
-    budget of the pair's cross-call prefix cache (default: ``agentspec.cache.default_budget``).
+    by ``agentspec distill`` is loaded onto the target's own embeddings and LM head. With
+    ``model=None`` the embedded default SmolLM2-135M-Instruct is used. ``device`` defaults to CUDA
+    when available, else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU.
+    ``prefix_cache_bytes`` is the byte budget of the pair's cross-call prefix cache (default:
+    ``agentspec.cache.default_budget``).
     """
     dev = torch.device(device) if device is not None else default_device()
     dt = _resolve_dtype(dtype, dev)
