@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", required=True, help="the draft folder to write (data/ and checkpoints/ inside)")
     d.add_argument("--layers", type=int, help="decoder layers of the draft (default 2)")
     d.add_argument(
-        "--init-layers", type=_layer_list, help="target layers to copy, e.g. 0,29 (default: spread)"
+        "--init-layers", type=_layer_list, help="target layers to copy, e.g. 0,1 (default: the first n)"
     )
     d.add_argument(
         "--prompts", type=int, help="prompts to answer (default 2000; the data budget may stop first)"

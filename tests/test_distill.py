@@ -271,7 +271,8 @@ def test_stored_distributions_are_the_targets_teacher_forced_ones(distilled, tin
     examples = load_examples(distilled / "data", "train")
     assert len(examples) >= 8 and any(not e.greedy for e in examples) and any(e.greedy for e in examples)
     for e in examples:
-        assert len(e.topk_ids) == len(e.ids) - e.start > 0, "only response positions (prompt_weight=0)"
+        # the default recipe weights prompt positions too (prompt_weight > 0): stored from token 1
+        assert e.first == 1 and len(e.topk_ids) == len(e.ids) - 1 and e.start < len(e.ids)
         with torch.no_grad():
             logp = torch.log_softmax(tiny_target(e.ids[None]).logits[0].float(), dim=-1)
         rows = logp[e.first - 1 : -1]  # position i predicts token i + 1
@@ -280,7 +281,7 @@ def test_stored_distributions_are_the_targets_teacher_forced_ones(distilled, tin
         assert err < 2e-2, f"{err=}"  # float16 storage
         assert torch.equal(rows.argmax(-1).int(), e.topk_ids[:, 0])
         if e.greedy:  # a greedy response is the teacher's argmax, token after token
-            assert e.ids[e.start :].tolist() == e.topk_ids[:, 0].tolist()
+            assert e.ids[e.start :].tolist() == e.topk_ids[e.start - e.first :, 0].tolist()
 
 
 def test_draft_folder_stores_only_its_own_weights(distilled, tiny_target):
