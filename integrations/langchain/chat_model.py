@@ -108,6 +108,15 @@ def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:
     }
 
 
+def checked_tool_name(tool: Any, index: int) -> str:
+    """The name of an OpenAI-format tool, or a ValueError saying what is wrong with it."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"bind_tools: tool {index} has no name (a non-empty string): {str(tool)[:120]}")
+    return name
+
+
 def normalise_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
     """None/"auto" (the model decides), "none", "any" (some tool; also "required"/True), or a name."""
     if isinstance(tool_choice, dict):  # OpenAI form {"type": "function", "function": {"name": ...}}
@@ -347,7 +356,10 @@ class ChatSpecDecode(BaseChatModel):
         as it is complete; ``parallel_tool_calls=False`` does the same for any reply.
         """
         formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
-        names = [t["function"]["name"] for t in formatted]
+        names = [checked_tool_name(t, i) for i, t in enumerate(formatted)]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:  # a call names its tool: two tools of one name would make calls ambiguous
+            raise ValueError(f"bind_tools: tool names must be unique; repeated: {repeated}")
         choice = normalise_tool_choice(tool_choice, names)
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
