@@ -84,7 +84,7 @@ BAD = [
         "an image block",
         inv([HumanMessage(content=[{"type": "image_url", "image_url": {"url": "http://x/a.png"}}])]),
         ValueError,
-        "'image_url' block; only text",
+        "'image_url' block; ChatSpecDecode takes text only",
     ),
     (
         "an audio block",

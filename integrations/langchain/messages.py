@@ -109,7 +109,8 @@ def message_text(message: BaseMessage) -> str:
         for block in content:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind in _NON_TEXT_BLOCKS:
-                raise ValueError(f"{type(message).__name__} has a {kind!r} block; only text is read")
+                name = type(message).__name__
+                raise ValueError(f"{name} has a {kind!r} block; ChatSpecDecode takes text only")
             if isinstance(block, dict) and kind != "text" and kind not in _SKIPPED_BLOCKS:
                 raise ValueError(f"{type(message).__name__} has a content block of unknown type {kind!r}")
     text = content if isinstance(content, str) else message.text
