@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import threading
 import time
 import weakref
@@ -72,6 +73,8 @@ _CALL_OVERRIDES = {
 # model, draft model, device and dtype share one set of weights (and one prefix cache).
 _PAIRS: weakref.WeakValueDictionary[tuple, ModelPair] = weakref.WeakValueDictionary()
 _PAIRS_LOCK = threading.Lock()
+
+log = logging.getLogger(__name__)
 
 
 def shared_pair(model: str | None, draft_model: str | None, device: str | None, dtype: str | None):
@@ -358,8 +361,13 @@ class ChatSpecDecode(BaseChatModel):
         formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
         names = [checked_tool_name(t, i) for i, t in enumerate(formatted)]
         repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:  # a call names its tool: two tools of one name would make calls ambiguous
-            raise ValueError(f"bind_tools: tool names must be unique; repeated: {repeated}")
+        if repeated:  # a call names its tool, so one name is one tool: the first definition wins
+            # (LangChain's own conformance tests bind a pydantic model and its JSON schema together)
+            log.warning("bind_tools: %s bound more than once; the first definition is kept", repeated)
+            kept = {}
+            for name, tool in zip(names, formatted):
+                kept.setdefault(name, tool)
+            formatted, names = list(kept.values()), list(kept)
         choice = normalise_tool_choice(tool_choice, names)
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
