@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from agentspec.config import GenerationConfig
-from agentspec.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
+from agentspec.drafters import Draft, Drafter, ModelDrafter
 from agentspec.grammar import Constraint, Grammar, apply_mask
 from agentspec.kv import ModelState
 from agentspec.models import ModelPair
@@ -71,8 +71,6 @@ def resolve_drafter(pair: ModelPair, drafter: Any, speculative: bool = True) -> 
         return None
     if drafter is None:
         drafter = "auto"
-    if drafter == "prompt_lookup":
-        return PromptLookupDrafter()
     if isinstance(drafter, str) and drafter in DRAFTER_NAMES:
         from agentspec.drafters import build_drafter
 
@@ -255,7 +253,7 @@ def decode(
             except Exception as exc:  # the target alone gives the same output: carry on without
                 drafter = _drop(drafter, exc, stats)
                 draft = Draft([])
-            source = draft.source if draft.tokens else None
+            source = draft.source
             if draft.q is not None:
                 jumped = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), vocab)
                 q = torch.cat([jumped.to(draft.q), draft.q]) if tokens else draft.q
@@ -263,8 +261,8 @@ def decode(
         if constraint is not None:
             tokens = tokens[: _fit_to_grammar(constraint, tokens, n_jump, q is not None)]
         n_draft = len(tokens)
-        if n_draft and source is None and n_jump == n_draft:
-            source = "jump_forward"  # only grammar-forced tokens: no drafter guessed
+        if n_draft == n_jump:  # no drafter guess survived: only grammar-forced tokens, or nothing
+            source = "jump_forward" if n_jump else None
 
         if forced and (len(forced) == room or finished):
             n, token, verified = 0, None, False  # the grammar alone finishes this call: no pass

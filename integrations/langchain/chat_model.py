@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import threading
 import time
 import weakref
@@ -73,6 +74,8 @@ _CALL_OVERRIDES = {
 _PAIRS: weakref.WeakValueDictionary[tuple, ModelPair] = weakref.WeakValueDictionary()
 _PAIRS_LOCK = threading.Lock()
 
+log = logging.getLogger(__name__)
+
 
 def shared_pair(model: str | None, draft_model: str | None, device: str | None, dtype: str | None):
     """``load_pair`` once per distinct request in this process; later calls get the same pair."""
@@ -106,6 +109,15 @@ def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:
         "source_draft_tokens": dict(stats.source_draft_tokens),
         "source_accepted_tokens": dict(stats.source_accepted_tokens),
     }
+
+
+def checked_tool_name(tool: Any, index: int) -> str:
+    """The name of an OpenAI-format tool, or a ValueError saying what is wrong with it."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"bind_tools: tool {index} has no name (a non-empty string): {str(tool)[:120]}")
+    return name
 
 
 def normalise_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
@@ -347,7 +359,15 @@ class ChatSpecDecode(BaseChatModel):
         as it is complete; ``parallel_tool_calls=False`` does the same for any reply.
         """
         formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
-        names = [t["function"]["name"] for t in formatted]
+        names = [checked_tool_name(t, i) for i, t in enumerate(formatted)]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:  # a call names its tool, so one name is one tool: the first definition wins
+            # (LangChain's own conformance tests bind a pydantic model and its JSON schema together)
+            log.warning("bind_tools: %s bound more than once; the first definition is kept", repeated)
+            kept = {}
+            for name, tool in zip(names, formatted):
+                kept.setdefault(name, tool)
+            formatted, names = list(kept.values()), list(kept)
         choice = normalise_tool_choice(tool_choice, names)
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls

@@ -59,6 +59,19 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 _NON_TEXT_BLOCKS = {"image", "image_url", "audio", "input_audio", "file", "video"}
+# blocks that carry no text for the prompt: tool calls (kept in ``AIMessage.tool_calls``) and
+# another provider's reasoning; skipped. Any other block type is refused by name.
+_SKIPPED_BLOCKS = {
+    "tool_use",
+    "tool_call",
+    "tool_call_chunk",
+    "invalid_tool_call",
+    "server_tool_call",
+    "server_tool_result",
+    "reasoning",
+    "thinking",
+    "redacted_thinking",
+}
 
 
 @dataclass
@@ -89,16 +102,26 @@ def template_features(tokenizer: Any) -> tuple[bool, bool, str]:
 
 
 def message_text(message: BaseMessage) -> str:
-    """The text of a message; images, audio and files are refused (the models here read text)."""
+    """The text of a message; images, audio and files are refused (the models here read text), and
+    so are unknown content blocks and text that is not valid Unicode (a lone surrogate)."""
     content = message.content
-    if isinstance(content, str):
-        return content
-    for block in content:
-        if isinstance(block, dict) and block.get("type") in _NON_TEXT_BLOCKS:
-            raise ValueError(
-                f"{type(message).__name__} has a {block['type']!r} block; ChatSpecDecode takes text only"
-            )
-    return message.text
+    if not isinstance(content, str):
+        for block in content:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind in _NON_TEXT_BLOCKS:
+                name = type(message).__name__
+                raise ValueError(f"{name} has a {kind!r} block; ChatSpecDecode takes text only")
+            if isinstance(block, dict) and kind != "text" and kind not in _SKIPPED_BLOCKS:
+                raise ValueError(f"{type(message).__name__} has a content block of unknown type {kind!r}")
+    text = content if isinstance(content, str) else message.text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{type(message).__name__} content is not valid Unicode: {exc.reason} "
+            f"{text[exc.start]!r} at position {exc.start}"
+        ) from None
+    return text
 
 
 def tool_call_text(name: str, args: dict) -> str:
@@ -118,6 +141,7 @@ def to_template_messages(
 ) -> list[dict[str, Any]]:
     """HF chat-template dicts for LangChain messages."""
     out: list[dict[str, Any]] = []
+    calls: set[str] = set()  # ids of the tool calls made so far: a ToolMessage must answer one
     for m in messages:
         if isinstance(m, SystemMessage):
             out.append({"role": "system", "content": message_text(m)})
@@ -127,6 +151,7 @@ def to_template_messages(
             # leading whitespace could merge with the generation prompt's last newline into one
             # token and break the prefix property; many templates trim assistant text anyway
             parts = [message_text(m).lstrip()]
+            calls.update(c["id"] for c in (*m.tool_calls, *m.invalid_tool_calls) if c.get("id"))
             entry: dict[str, Any] = {"role": "assistant"}
             if m.tool_calls and native_calls:
                 entry["tool_calls"] = [_template_call(c) for c in m.tool_calls]
@@ -142,6 +167,11 @@ def to_template_messages(
                 text = f"<tool_response>\n{text}\n</tool_response>"
             entry = {"role": "tool", "content": text}
             if isinstance(m, ToolMessage):
+                if m.tool_call_id not in calls:  # as chat APIs do: a result must answer a call
+                    raise ValueError(
+                        f"ToolMessage answers tool call id {m.tool_call_id!r}, but no earlier AIMessage "
+                        f"made a tool call with that id (calls so far: {sorted(calls)})"
+                    )
                 entry["tool_call_id"] = m.tool_call_id
             if m.name:
                 entry["name"] = m.name
