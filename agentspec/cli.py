@@ -72,11 +72,14 @@ def cmd_distill(args: argparse.Namespace) -> int:
         "n_prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
         "steps": args.steps,
+        "draft_vocab": args.draft_vocab,
         "seed": args.seed,
         "device": args.device,
         "resume": args.resume,
     }
     options = {k: v for k, v in given.items() if v is not None}  # unset: DistillConfig's default
+    if args.draft_vocab == 0:
+        options["draft_vocab"] = None  # 0: the whole vocabulary (draft_vocab=None)
     if args.time_budget_s is not None:
         options["time_budget_s"] = args.time_budget_s or None  # 0: no limit
     try:
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument(
         "--time-budget-s", type=float, help="the whole run, in seconds (default 3600; 0: no limit)"
     )
+    d.add_argument("--draft-vocab", type=int, help="ids the draft's LM head scores (default 8192; 0: all)")
     d.add_argument("--seed", type=int, help="default 0")
     d.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
     d.add_argument(

@@ -227,6 +227,19 @@ class ModelPair:
         return int(getattr(cfg, "max_position_embeddings", None) or 2048)
 
 
+DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
+
+
+def default_draft_folder() -> Path | None:
+    """The embedded target's draft, distilled by ``agentspec distill`` and shipped with the package.
+
+    None when the folder is missing (a source checkout without it): the pair then has no draft model.
+    """
+    from agentspec.distill.student import is_draft_folder
+
+    return DEFAULT_DRAFT if is_draft_folder(DEFAULT_DRAFT) else None
+
+
 def load_pair(
     model: Any = None,
     draft_model: Any = None,
@@ -241,7 +254,9 @@ def load_pair(
     ``model`` and ``draft_model`` each take a hub id, a local folder, a path to a ``.gguf`` file or
     an already loaded transformers model (then pass ``tokenizer``). A ``draft_model`` folder written
     by ``agentspec distill`` is loaded onto the target's own embeddings and LM head. With
-    ``model=None`` the embedded default SmolLM2-135M-Instruct is used. ``device`` defaults to CUDA
+    ``model=None`` the embedded default SmolLM2-135M-Instruct is used, and with ``draft_model=None``
+    its distilled default draft (``default_draft_folder()``); ``draft_model=False`` loads no draft
+    model (with another target, None also means none). ``device`` defaults to CUDA
     when available, else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU.
     ``prefix_cache_bytes`` is the byte budget of the pair's cross-call prefix cache (default:
     ``agentspec.cache.default_budget``).
@@ -258,11 +273,16 @@ def load_pair(
     elif tokenizer is not None:
         tok = tokenizer
     draft, draft_name = None, None
+    if draft_model is None and model is None:
+        draft_model = default_draft_folder()
+    if draft_model is False:
+        draft_model = None
     if draft_model is not None:
         from agentspec.distill.student import is_draft_folder, load_draft
 
         if is_draft_folder(draft_model):  # distilled by `agentspec distill`: the target's embeddings
             draft = load_draft(draft_model, target)
+            use_grouped_sdpa(draft)
             draft_tok = _folder_tokenizer(Path(draft_model).expanduser())
             if draft_tok is not None:
                 check_tokenizers(tok, draft_tok)

@@ -25,13 +25,12 @@ length 2, to keep the run short (its ratio is against plain on the same turns; l
 0.32x on all turns in an earlier run). Auto, suffix and the scheduled model choose their own
 lengths, up to --k (default: the drafter's own cap, 16, as a user gets it).
 
-The draft model. SmolLM2-135M-Instruct has no smaller sibling and no trained draft yet (issue 8),
-so the draft is a layer-skip self-draft: the target's embeddings, its first --draft-layers
-decoder layers (default 4 of 30), final norm and LM head, untrained. It shares the tokenizer and
-costs about a quarter of a target step here (the LM head is most of it), but it agrees with the
-target on about 1-2% of tokens (``draft_agreement`` in the JSON; untrained early exit does not
-work, shared/reference/anchors.md): it shows what the schedule does with a bad draft, not what a
-good draft can do.
+The draft model: the embedded pair's own, distilled by ``agentspec distill`` (issue 8; 2 layers on
+the target's embeddings, its head cut to 8,192 ids). With --draft-layers N > 0 it is instead a
+layer-skip self-draft: the target's embeddings, its first N decoder layers, final norm and LM head,
+untrained, which agrees with the target on about 1-2% of tokens (``draft_agreement`` in the JSON;
+untrained early exit does not work, shared/reference/anchors.md): it shows what the schedule does
+with a bad draft. The earlier runs in the README used --draft-layers 4.
 
 Each configuration has its own drafting memory (suffix tree of earlier outputs, calibrations, cost
 curve), filled as its calls proceed, so no configuration sees another's outputs. Writes JSON
@@ -193,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-lookup", type=int, default=4, help="draft length of prompt_lookup (the default k)")
     ap.add_argument("--k-model", type=int, default=2, help="draft length of the fixed-length model")
     ap.add_argument("--k", type=int, default=None, help="cap of suffix, scheduled, auto (default: theirs)")
-    ap.add_argument("--draft-layers", type=int, default=4)
+    ap.add_argument(
+        "--draft-layers", type=int, default=0, help="> 0: an untrained layer-skip self-draft instead"
+    )
     ap.add_argument(
         "--model-every", type=int, default=2, help="run the fixed-length model on every n-th turn"
     )
@@ -207,16 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
 
     base = agentspec.load_pair()
-    draft = layer_skip_draft(base.target, args.draft_layers)
-    pair = ModelPair(
-        target=base.target,
-        tokenizer=base.tokenizer,
-        draft=draft,
-        name=base.name,
-        draft_name=draft.config.name_or_path,
-        key=(base.name, draft.config.name_or_path, str(base.dtype), str(base.device)),
-        prefix_cache=base.prefix_cache,
-    )
+    if args.draft_layers > 0 or base.draft is None:
+        draft = layer_skip_draft(base.target, args.draft_layers or 4)
+        kind = f"layer-skip self-draft: embeddings + first {args.draft_layers or 4} layers + norm + LM head"
+        pair = ModelPair(
+            target=base.target,
+            tokenizer=base.tokenizer,
+            draft=draft,
+            name=base.name,
+            draft_name=draft.config.name_or_path,
+            key=(base.name, draft.config.name_or_path, str(base.dtype), str(base.device)),
+            prefix_cache=base.prefix_cache,
+        )
+    else:
+        pair, draft, kind = base, base.draft, "the embedded pair's distilled draft (agentspec distill)"
     tok = pair.tokenizer
     memories = {c: DraftMemory() for c in configs}
     load0 = list(os.getloadavg())
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "draft": {
             "name": draft.config.name_or_path,
-            "kind": f"layer-skip self-draft: embeddings + first {args.draft_layers} layers + norm + LM head",
+            "kind": kind,
             "draft_agreement": first[0] / first[1] if first[1] else None,
             "draft_agreement_note": "share of the fixed-length model's verify passes whose first draft "
             "token was accepted: positions where the draft's argmax equals the target's",

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/attention.json")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    model = agentspec.load_pair().target
+    model = agentspec.load_pair(draft_model=False).target
     rows = []
     with torch.no_grad():
         for ctx in args.contexts:

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/grammar.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pair = agentspec.load_pair()
+    pair = agentspec.load_pair(draft_model=False)  # as in the committed results: no draft model
     tasks = [("tool", p, None) for p, _ in PROMPTS] + [("structured", t, s) for s, t in STRUCTURED]
     run_one(pair, CONFIGS["both"], tasks[0])  # warm up (grammar compile, first-call costs)
 

@@ -33,7 +33,7 @@ def peak_rss_mb() -> float:
 
 
 def run(max_tokens: int, drafter: str) -> dict:
-    pair = agentspec.load_pair()
+    pair = agentspec.load_pair(draft_model=False)  # as in the committed results: no draft model
     tok = pair.tokenizer
     agentspec.generate(
         pair, prompt_ids(tok, [{"role": "user", "content": "hi"}]), max_new_tokens=2, prefix_cache=False

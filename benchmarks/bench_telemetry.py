@@ -291,7 +291,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    pair = agentspec.load_pair()
+    pair = agentspec.load_pair(draft_model=False)  # as in the committed results: no draft model
     provider = TracerProvider()
     memory = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(memory))

@@ -126,7 +126,7 @@ def load_turns(results: dict[str, Any]) -> list[dict[str, Any]]:
             import agentspec
 
             print(f"generating {len(todo)} greedy replies with the target (cached in {CACHE})", flush=True)
-            pair = agentspec.load_pair()
+            pair = agentspec.load_pair(draft_model=False)  # as in the committed results: no draft model
             for t in todo:
                 cache[_key(t["prompt"])] = agentspec.generate(
                     pair, t["prompt"], "none", max_new_tokens=MAX_NEW

@@ -19,7 +19,14 @@ import agentspec
 from agentspec.distill import DistillConfig, distill, is_draft_folder, load_draft
 from agentspec.distill.data import Example, load_examples
 from agentspec.distill.prompts import KINDS, PromptSpec, is_heldout, make_prompts, render
-from agentspec.distill.student import MARKER, build_student, shared_keys
+from agentspec.distill.student import (
+    MARKER,
+    OUTSIDE_LOGIT,
+    VOCAB_KEY,
+    SubsetHead,
+    build_student,
+    draft_vocab,
+)
 from agentspec.distill.train import accepted_run, collate, distill_loss, lr_at, make_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,7 +77,8 @@ def tiny_target(tiny_llama, byte_tokenizer):
 @pytest.fixture(scope="module")
 def distilled(tiny_target, byte_tokenizer, tmp_path_factory):
     out = tmp_path_factory.mktemp("draft")
-    distill(tiny_target, out, tokenizer=byte_tokenizer, steps=4, n_layers=2, **TINY)
+    # draft_vocab=64 of 259 ids: the draft's head is a SubsetHead (the default recipe's 8,192 of 49k)
+    distill(tiny_target, out, tokenizer=byte_tokenizer, steps=4, n_layers=2, draft_vocab=64, **TINY)
     return out
 
 
@@ -294,7 +302,11 @@ def test_draft_folder_stores_only_its_own_weights(distilled, tiny_target):
     assert any(name.startswith("train-") for name in os.listdir(distilled / "data"))
     with safe_open(str(distilled / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
+        dtypes = {f.get_tensor(k).dtype for k in keys - {VOCAB_KEY}}
+        vocab = f.get_tensor(VOCAB_KEY)
     assert keys and not any("embed_tokens" in k or k.startswith("lm_head") for k in keys), keys
+    assert dtypes == {torch.float16}, dtypes  # half the bytes; upcast when loaded
+    assert vocab.numel() == 64 and vocab.unique().numel() == 64 and int(vocab.min()) >= 0
     marker = json.loads((distilled / MARKER).read_text())
     assert marker["embedding_shape"] == list(tiny_target.get_input_embeddings().weight.shape)
     metrics = json.loads((distilled / "metrics.json").read_text())
@@ -305,9 +317,35 @@ def test_draft_folder_stores_only_its_own_weights(distilled, tiny_target):
 def test_loaded_draft_shares_the_targets_tensors(distilled, tiny_target):
     draft = load_draft(distilled, tiny_target)
     assert draft.get_input_embeddings() is tiny_target.get_input_embeddings()
-    assert draft.get_output_embeddings().weight is tiny_target.get_output_embeddings().weight
-    assert draft.config.num_hidden_layers == 2
-    assert shared_keys(draft) == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert draft.config.num_hidden_layers == 2 and draft.dtype == tiny_target.dtype
+    head, full = draft.get_output_embeddings(), tiny_target.get_output_embeddings()
+    assert isinstance(head, SubsetHead) and head.ids.numel() == 64
+    assert torch.equal(head.weight, full.weight[head.ids])
+    assert tiny_target.get_output_embeddings() is full  # the target keeps its own head
+
+
+def test_subset_head_scores_its_ids_and_fills_the_rest():
+    weight = torch.randn(10, 4)
+    head = SubsetHead(weight, torch.tensor([1, 4, 7]))
+    hidden = torch.randn(2, 3, 4)
+    out = head(hidden)
+    full = hidden @ weight.T
+    assert out.shape == (2, 3, 10)
+    assert torch.allclose(out[..., [1, 4, 7]], full[..., [1, 4, 7]])
+    rest = [0, 2, 3, 5, 6, 8, 9]
+    assert (out[..., rest] == OUTSIDE_LOGIT).all()
+    # a grammar mask leaving only ids outside the head still gives a distribution (no NaN)
+    masked = torch.full_like(out, float("-inf"))
+    masked[..., [2, 3]] = out[..., [2, 3]]
+    assert torch.allclose(masked.softmax(-1)[..., [2, 3]], torch.tensor(0.5))
+
+
+def test_draft_vocab_takes_the_most_frequent_then_the_lowest_ids():
+    data = [torch.tensor([9, 9, 9, 5, 5, 7]), torch.tensor([5, 2])]
+    # counts: 5 and 9 three times, 2 and 7 once; equal counts: the lower id first
+    assert draft_vocab(data, 12, 3).tolist() == [2, 5, 9]
+    assert draft_vocab(data, 12, 6).tolist() == [0, 1, 2, 5, 7, 9]  # never seen: 0 and 1
+    assert draft_vocab(data, 12, 50).tolist() == list(range(12))
 
 
 def test_load_draft_refuses_another_target(distilled, tiny_llama):

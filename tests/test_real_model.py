@@ -117,6 +117,23 @@ def test_speculative_equals_transformers_generate(pair, reference, name, k):
     assert result.text == pair.tokenizer.decode([t for t in ref if t not in pair.eos_token_ids])
 
 
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_the_default_distilled_draft_is_lossless(pair, reference, name):
+    """The embedded pair's own draft (agentspec distill, committed) drafting on every pass."""
+    from agentspec.models import DEFAULT_DRAFT
+
+    assert pair.draft is not None and pair.draft_name == str(DEFAULT_DRAFT)
+    prompt, ref = reference(name)
+    result = agentspec.generate(pair, prompt, drafter="model", max_new_tokens=MAX_NEW)
+    assert result.token_ids == ref, _mismatch(pair, prompt, ref, result.token_ids)
+    assert result.stats.draft_tokens > 0
+
+
+def test_no_draft_model_on_request():
+    bare = agentspec.load_pair(draft_model=False)
+    assert bare.draft is None and bare.draft_name is None
+
+
 def test_prompt_lookup_drafts_are_accepted_where_the_answer_copies(pair, reference):
     """Not an equivalence check: a guard that the drafter actually drafts on a copying prompt."""
     prompt, ref = reference("repeat_json")

@@ -37,7 +37,7 @@ from agentspec.distill.data import (
     load_examples,
 )
 from agentspec.distill.prompts import PromptSpec, is_heldout, make_prompts, render
-from agentspec.distill.student import build_student, save_draft
+from agentspec.distill.student import build_student, draft_vocab, save_draft
 from agentspec.distill.train import checkpoint_paths, evaluate, train
 
 logger = logging.getLogger(__name__)
@@ -203,8 +203,18 @@ def distill(
         "given by the caller" if prompts is not None else f"agentspec.distill.prompts, seed {cfg.seed}"
     )
     card = model_card(name, cfg, init_layers, metrics)
+    vocab = None
+    n_vocab = student.get_output_embeddings().weight.shape[0]
+    if cfg.draft_vocab is not None and cfg.draft_vocab < n_vocab:
+        vocab = draft_vocab([e.ids for e in train_examples], n_vocab, cfg.draft_vocab)
     save_draft(
-        student, out, card=card, target_name=name, tokenizer=tok, info={"init_layers": list(init_layers)}
+        student,
+        out,
+        card=card,
+        target_name=name,
+        tokenizer=tok,
+        info={"init_layers": list(init_layers)},
+        vocab=vocab,
     )
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     if final:
@@ -253,7 +263,13 @@ def model_card(name: str, cfg: DistillConfig, init_layers, metrics: dict) -> str
         "## Recipe",
         "",
         f"- draft: {cfg.n_layers} decoder layers initialised from target layers {list(init_layers)}, "
-        "final norm from the target's; embeddings and LM head shared and frozen",
+        "final norm from the target's; embeddings and LM head shared and frozen"
+        + (
+            f"; when drafting, the head scores the {cfg.draft_vocab:,} ids most frequent in the data "
+            "(FR-Spec)"
+            if cfg.draft_vocab
+            else ""
+        ),
         f"- loss: forward KL to the target's top-{cfg.top_k} distribution (renormalised)"
         + (f" + {cfg.ce_weight} x CE on its argmax" if cfg.ce_weight else "")
         + (

@@ -9,7 +9,8 @@ are 28M of the draft's 35M parameters, so a draft folder stores only its own lay
 A draft folder:
     agentspec_draft.json   the marker: what the draft shares with which target, and its shapes
     config.json            the draft's transformers config (num_hidden_layers = the draft's)
-    model.safetensors      the draft's own tensors, without embeddings and LM head
+    model.safetensors      the draft's own tensors (float16), without embeddings and LM head, and
+                           ``draft_vocab``: the token ids its LM head scores (see SubsetHead)
     tokenizer files        the target's, so the pair's tokenizer check applies as for any draft
     README.md              the model card
 """
@@ -28,6 +29,53 @@ log = logging.getLogger(__name__)
 
 MARKER = "agentspec_draft.json"
 FORMAT = "agentspec-distilled-draft"
+VOCAB_KEY = "draft_vocab"  # model.safetensors entry: the ids the draft's LM head scores
+# Filled into the logits of tokens outside the draft's vocabulary: finite, so a grammar mask that
+# leaves only such tokens still gives a distribution (uniform over them), and within float16 range.
+OUTSIDE_LOGIT = -1.0e4
+
+
+class SubsetHead(torch.nn.Module):
+    """The LM head cut to the ids the draft proposes (FR-Spec, Zhao et al. 2025).
+
+    The head dominates a small draft's step: for SmolLM2-135M, 576 x 49,152 multiply-adds against
+    about 4M for one decoder layer. Scoring only ``ids`` (the tokens most frequent in the target's
+    own responses) makes the step several times cheaper. The output keeps the full vocabulary, with
+    ``OUTSIDE_LOGIT`` elsewhere, so the draft's q is an ordinary distribution the verification
+    treats like any other; the target's output does not depend on it (lossless either way), only
+    how often a draft is accepted.
+    """
+
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor):
+        super().__init__()
+        self.vocab_size = int(weight.shape[0])
+        self.register_buffer("ids", ids.to(device=weight.device, dtype=torch.long), persistent=False)
+        self.register_buffer("weight", weight.detach()[self.ids].contiguous(), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        sub = torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype))
+        out = sub.new_full((*sub.shape[:-1], self.vocab_size), OUTSIDE_LOGIT)
+        return out.index_copy_(-1, self.ids, sub)
+
+
+def draft_vocab(token_lists, vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` ids a draft's head keeps: those most frequent in ``token_lists``, then the lowest.
+
+    Counts come from the training data (prompts and the target's responses). Ids never seen are
+    filled in from the lowest up: BPE vocabularies number tokens roughly in the order their merges
+    were learned, most frequent first. Measured on the first distillation run's data (128 training
+    prompts): 8,192 ids chosen so covered 94.8% of the held-out responses' tokens, against 86.8% for
+    the 2,301 ids seen and 87.9% for the lowest 8,192 ids alone.
+    """
+    if size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in token_lists:
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        counts += torch.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
+    # most frequent first; among equal counts (zero included) the lower id first
+    order = torch.sort(-counts, stable=True).indices
+    return order[:size].sort().values
 
 
 def is_draft_folder(source: Any) -> bool:
@@ -110,8 +158,13 @@ def save_draft(
     target_name: str,
     info: dict | None = None,
     tokenizer: Any = None,
+    vocab: torch.Tensor | None = None,
 ) -> Path:
-    """Write a loadable draft folder (see the module docstring); return its path."""
+    """Write a loadable draft folder (see the module docstring); return its path.
+
+    The draft's own tensors are stored in float16 (half the bytes; loading casts them to the
+    target's dtype). ``vocab``: the ids its LM head keeps (``draft_vocab``); None keeps them all.
+    """
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -127,9 +180,18 @@ def save_draft(
         "tie_word_embeddings": bool(getattr(student.config, "tie_word_embeddings", False)),
         "embedding_fingerprint": _fingerprint(embed),  # mean, std: warns on another target's
         "num_hidden_layers": student.config.num_hidden_layers,
+        "weights_dtype": "float16",
+        "draft_vocab": None if vocab is None else int(vocab.numel()),
         **(info or {}),
     }
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in own_state(student).items()}
+    tensors = {
+        k: v.detach().to("cpu", torch.float16 if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in own_state(student).items()
+    }
+    if vocab is not None:
+        if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= head.shape[0]:
+            raise ValueError(f"vocab: ids must lie in [0, {head.shape[0]}) and not be empty")
+        tensors[VOCAB_KEY] = vocab.detach().to("cpu", torch.int32).contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     student.config.to_json_file(str(folder / "config.json"))
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
@@ -182,11 +244,17 @@ def load_draft(folder: str | Path, target):
     config = AutoConfig.from_pretrained(str(folder))
     draft = AutoModelForCausalLM.from_config(config)
     state = load_file(str(folder / "model.safetensors"))
+    vocab = state.pop(VOCAB_KEY, None)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     shared = shared_keys(draft)
     if unexpected or set(missing) - shared:
         raise ValueError(f"{folder}: model.safetensors does not fit its config: {missing=} {unexpected=}")
     draft.to(device=embed.device, dtype=embed.dtype)
     attach_shared(draft, target)
+    if vocab is not None and 0 < vocab.numel() < head.shape[0]:
+        if int(vocab.min()) < 0 or int(vocab.max()) >= head.shape[0]:
+            raise ValueError(f"{folder}: {VOCAB_KEY} has ids outside [0, {head.shape[0]})")
+        # the draft's own head module; the target's stays as it is (and still feeds the embeddings)
+        draft.set_output_embeddings(SubsetHead(head, vocab))
     draft.config.name_or_path = str(folder)
     return draft.eval()

@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -184,9 +184,11 @@ class ChatSpecDecode(BaseChatModel):
     """Target model: a Hugging Face hub id, a local folder or a ``.gguf`` file. None: the embedded
     default, SmolLM2-135M-Instruct."""
 
-    draft_model: str | None = None
-    """A smaller model with the same tokenizer that proposes tokens for the target to verify.
-    None: no draft model (the default drafter then looks up n-grams in the prompt)."""
+    draft_model: str | Literal[False] | None = None
+    """A smaller model with the same tokenizer that proposes tokens for the target to verify, or a
+    folder written by ``agentspec distill``. None: the embedded default draft with the embedded
+    target, no draft model with any other target. False: no draft model (the drafters then work
+    from the conversation alone: suffix trees and n-gram lookup)."""
 
     drafter: Any = "auto"
     """Who proposes draft tokens: "auto" (per pass, a suffix-tree draft over this conversation and
