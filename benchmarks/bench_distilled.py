@@ -17,10 +17,16 @@ Three measurements, each on prompts no training step saw:
    compared token for token with plain decoding; a difference is reported and fails the run.
 2. Draft cost: the median time of one draft step and one target step, each after a 300-token
    cache, measured alternately; also the draft with its full LM head, to show what the cut head saves.
+   With the verify-cost curve V(n) (a target pass over n new tokens / a one-token pass, from
+   bench_core.verify_cost), the cost model of Leviathan et al. gives, per draft length k, the token
+   acceptance a draft of this cost needs for 1x and for 1.5x: (1 - a^(k+1)) / (1 - a) tokens per
+   pass against k c + V(k+1) target steps.
 3. Speed on open-ended chat (where lookup-style drafters find nothing): the three chat prompts of
    ``bench_core.py`` (written apart from the generator) and held-out generator chat prompts, greedy,
-   decoded plainly and with ``drafter="model"``, ``"model_scheduled"`` and ``"auto"``, interleaved
-   per prompt with a rotating order; the ratio is plain time / mode time over the same prompts.
+   decoded plainly and with ``drafter="model"``, ``"model_scheduled"`` and ``"auto"``, and with auto
+   as it is for a pair without a draft model (``auto_no_model``: suffix trees alone, the embedded
+   pair before this draft), interleaved per prompt with a rotating order; the ratio is plain time /
+   mode time over the same prompts.
 
 Writes JSON (--out) and a PNG beside it.
 """
@@ -42,10 +48,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import PROMPTS as CORE_PROMPTS  # noqa: E402
-from bench_core import environment  # noqa: E402
+from bench_core import environment, verify_cost  # noqa: E402
 
 import agentspec  # noqa: E402
 from agentspec.distill.prompts import is_heldout, make_prompts, render  # noqa: E402
+from agentspec.drafters import DraftMemory, HybridDrafter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_REUSE = {"prefix_cache": False}  # every call prefills its prompt: decoding alone is compared
@@ -146,8 +153,39 @@ def step_costs(pair, ids: list[int], repeats: int) -> dict[str, float]:
     }
 
 
+def expected_speedup(alpha: float, k: int, c: float, v: float) -> float:
+    """Tokens per pass over its cost in target steps: (1 - a^(k+1)) / (1 - a) / (k c + V(k+1))."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + v)
+
+
+def alpha_needed(goal: float, k: int, c: float, v: float) -> float | None:
+    """The token acceptance at which ``expected_speedup`` reaches ``goal`` (None: not even at 1)."""
+    if expected_speedup(1.0, k, c, v) < goal:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_speedup(mid, k, c, v) < goal else (lo, mid)
+    return hi
+
+
+def cost_model(curve: dict[str, Any], c: float) -> dict[str, Any]:
+    """Per draft length: the acceptance a draft of cost ``c`` needs for 1x and 1.5x, given V(k+1)."""
+    ratio = {p["new_tokens"]: p["ratio_to_1"] for p in curve["points"]}
+    rows = []
+    for k in sorted(ratio):
+        if k - 1 < 1:
+            continue
+        v = ratio[k]  # a pass verifying k - 1 draft tokens feeds k new tokens
+        rows.append({"draft_tokens": k - 1, "verify_ratio": v, "alpha_for_1x": alpha_needed(1.0, k - 1, c, v),
+                     "alpha_for_1.5x": alpha_needed(1.5, k - 1, c, v)})  # fmt: skip
+    return {"draft_per_target": c, "rows": rows}
+
+
 def speed(pair, prompts: list[dict], n: int, modes: list[str]) -> dict[str, Any]:
     runs: dict[str, list[dict]] = {m: [] for m in ["plain", *modes]}
+    no_model_memory = DraftMemory()  # its own suffix tree and calibrations, filled as its calls run
     for i, p in enumerate(prompts):
         order = ["plain", *modes]
         order = order[i % len(order) :] + order[: i % len(order)]
@@ -157,6 +195,8 @@ def speed(pair, prompts: list[dict], n: int, modes: list[str]) -> dict[str, Any]
             t = time.perf_counter()
             if mode == "plain":
                 r = agentspec.generate(pair, p["ids"], speculative=False, **opts)
+            elif mode == "auto_no_model":  # auto as for a pair without a draft model (suffix trees)
+                r = agentspec.generate(pair, p["ids"], drafter=HybridDrafter(no_model_memory), **opts)
             else:
                 r = agentspec.generate(pair, p["ids"], drafter=mode, **opts)
             seconds = time.perf_counter() - t
@@ -239,11 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     result["acceptance"] = {f"t{t:g}": acceptance(pair, acc_prompts, t, n, 4) for t in (0.0, 0.7)}
     result["step_costs"] = step_costs(pair, acc_prompts[0]["ids"][:300], 10 if args.quick else 30)
     print("step costs:", {k: round(v, 3) for k, v in result["step_costs"].items()}, flush=True)
+    result["verify_cost"] = verify_cost(pair, [1, 2, 3, 4, 5, 7, 9], 300, 5 if args.quick else 15)
+    result["cost_model"] = cost_model(result["verify_cost"], result["step_costs"]["draft_per_target"])
+    print("acceptance needed:", result["cost_model"]["rows"], flush=True)
     chat = [{"name": name, "kind": "chat",
              "ids": tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]}
             for name, kind, msgs in CORE_PROMPTS if kind == "chat"]  # fmt: skip
     chat += heldout_prompts(tok, ("chat",), 2 if args.quick else 5, skip=per_kind)
-    modes = ["model", "model_scheduled", "auto"]
+    modes = ["model", "model_scheduled", "auto", "auto_no_model"]
     result["speed"] = speed(pair, chat, n, modes)
     result["seconds"] = time.perf_counter() - t0
     bad = sum(not r.get("identical_to_plain", True) for r in result["acceptance"]["t0"]["rows"])
