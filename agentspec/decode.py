@@ -345,13 +345,22 @@ def stream(
     config = _config(options)
     d = resolve_drafter(pair, drafter, config.speculative)
     cache = _pick_cache(pair, prefix_cache)
+    # drafters named by string are built afresh per call, so their failures are counted per pair and
+    # name (a cool-down, agentspec.drafters.health); a Drafter instance passed in is the caller's own
+    health = pair.draft_health
+    key = (drafter or "auto") if isinstance(drafter, str) or drafter is None else None
     with pair.lock:
         ids = check_prompt(pair, prompt_ids)
+        resting = None  # a drafter sitting out its cool-down (it kept failing): the target alone
+        if d is not None and key is not None and not health.allow(key):
+            resting, d = key, None
         if d is not None:
             try:
                 d.reset()
             except Exception as exc:
                 log.warning("drafter %s failed to reset (%r); decoding without it", d.name, exc)
+                if key is not None:
+                    health.record(key, failed=True)
                 d = None
         models = {"target": pair.target}
         if isinstance(d, ModelDrafter):
@@ -361,13 +370,19 @@ def stream(
         if isinstance(d, ModelDrafter) and "draft" in states:
             d.state = states["draft"]
         ended = False  # finished, or closed by the caller: not failed
+        stats = None
         try:
-            yield from decode(pair, ids, config, d, target=target, grammar=grammar)
+            for step in decode(pair, ids, config, d, target=target, grammar=grammar):
+                stats = step.stats
+                stats.draft_cooldown = resting
+                yield step
             ended = True
         except GeneratorExit:
             ended = True
             raise
         finally:
+            if d is not None and key is not None and stats is not None:
+                health.record(key, failed=stats.draft_failures > 0)
             if ended and cache is not None and isinstance(d, ModelDrafter):
                 try:  # the draft then covers the same verified tokens (also when closed early)
                     d.catch_up(target.ids)

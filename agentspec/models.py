@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from agentspec.attention import use_grouped_sdpa
+from agentspec.drafters.health import DraftHealth
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,8 @@ class ModelPair:
     prefix_cache: Any = None
     # serialises model access: one call decodes at a time per loaded pair
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    # drafters that keep failing sit out a cool-down of calls (agentspec.drafters.health)
+    draft_health: DraftHealth = field(default_factory=DraftHealth, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:

@@ -32,6 +32,7 @@ class DecodeStats:
     jump_forward_tokens: int = 0  # of draft_tokens, those spelling text a grammar forced
     jump_forward_accepted: int = 0  # of those, accepted
     draft_failures: int = 0  # drafter exceptions survived by falling back to the target alone
+    draft_cooldown: str | None = None  # a drafter this call decoded without: it kept failing (health)
     acceptance_histogram: list[int] = field(default_factory=list)
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0

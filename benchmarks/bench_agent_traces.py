@@ -18,7 +18,8 @@ timings compare decoding.
     model            the draft model, fixed length --k-model (2), on every --model-every (2nd) turn
     model_scheduled  the draft model, length from calibrated confidence and the verify-cost curve
     auto             per pass: the suffix draft or the scheduled draft model, whichever is worth more
-    auto_no_model    ``drafter="auto"`` for a pair without a draft model (the embedded pair before its distilled draft)
+    auto_no_model    ``drafter="auto"`` for a pair without a draft model (the embedded pair before its
+                     distilled draft)
 
 The fixed-length model is the slowest configuration by far; it runs on every other turn, with
 length 2, to keep the run short (its ratio is against plain on the same turns; length 4 measured

@@ -135,8 +135,11 @@ def test_metadata(smol_pair):
         "source_steps",
         "source_draft_tokens",
         "source_accepted_tokens",
+        "draft_failures",
+        "draft_cooldown",
     }
     spec = meta["speculative"]
+    assert spec["draft_failures"] == 0 and spec["draft_cooldown"] is None
     assert sum(spec["source_steps"].values()) == spec["verify_steps"]
     assert sum(spec["source_accepted_tokens"].values()) == spec["accepted_tokens"]
     # speculative=False: the same loop without drafts

@@ -50,6 +50,7 @@ JUMP_FORWARD_TOKENS = "agentspec.jump_forward_tokens"  # of the draft tokens, te
 JUMP_FORWARD_ACCEPTED = "agentspec.jump_forward_accepted"  # of those, accepted
 VERIFY_STEPS = "agentspec.verify_steps"  # target forward passes (each yields >= 1 token)
 DRAFT_FAILURES = "agentspec.draft_failures"  # drafter exceptions survived by decoding without it
+DRAFT_COOLDOWN = "agentspec.draft_cooldown"  # a drafter this call skipped: it kept failing (set only then)
 ACCEPTANCE_RATE = "agentspec.acceptance_rate"  # accepted / drafted
 MEAN_ACCEPTANCE_LENGTH = "agentspec.mean_acceptance_length"  # tokens per verify pass, bonus included
 ACCEPTANCE_HISTOGRAM = "agentspec.acceptance_histogram"  # [i]: verify passes that accepted i drafts
@@ -146,6 +147,7 @@ def speculation_attributes(stats: DecodeStats) -> dict[str, Any]:
         PREFIX_TOKENS_RESTORED: stats.cached_tokens,
         PREFILL_TOKENS: stats.prefill_tokens,
         **source_attributes(stats),
+        **({DRAFT_COOLDOWN: stats.draft_cooldown} if getattr(stats, "draft_cooldown", None) else {}),
     }
 
 

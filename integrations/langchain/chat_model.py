@@ -108,6 +108,9 @@ def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:
         "source_steps": dict(stats.source_steps),
         "source_draft_tokens": dict(stats.source_draft_tokens),
         "source_accepted_tokens": dict(stats.source_accepted_tokens),
+        # drafter exceptions this call survived with the target alone; a drafter it skipped (cool-down)
+        "draft_failures": stats.draft_failures,
+        "draft_cooldown": stats.draft_cooldown,
     }
 
 
