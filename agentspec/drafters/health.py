@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ class DraftHealth:
     failing: dict[str, int] = field(default_factory=dict)  # name -> failing calls in a row
     resting: dict[str, int] = field(default_factory=dict)  # name -> calls left without it
     interval: dict[str, int] = field(default_factory=dict)  # name -> the cool-down of its next trip
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # Any: threading.Lock is a factory, not a type (pydantic, validating ChatSpecDecode.pair, warns)
+    lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def allow(self, name: str) -> bool:
         """May this call use the drafter? (A call it sits out counts towards the cool-down.)"""
