@@ -16,7 +16,7 @@ import inspect
 import logging
 import operator
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from agentspec.config import GenerationConfig
 from agentspec.drafters import Draft, Drafter, ModelDrafter
 from agentspec.grammar import Constraint, Grammar, apply_mask
 from agentspec.kv import ModelState
+from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
 from agentspec.models import ModelPair
 from agentspec.sampling import make_generator, probabilities
 from agentspec.stats import DecodeStats
@@ -131,6 +132,8 @@ def _drop(drafter: Drafter, exc: Exception, stats: DecodeStats) -> None:
     """Log a drafter failure and drop the drafter for the rest of the call."""
     log.warning("drafter %s failed (%r); continuing with the target alone", drafter.name, exc)
     stats.draft_failures += 1
+    if is_oom(exc):
+        release_cached_memory()
     try:
         drafter.reset()
     except Exception:  # a drafter that cannot even reset is simply not used again
@@ -200,6 +203,7 @@ def decode(
     drafter: Drafter | None = None,
     target: ModelState | None = None,
     grammar: Grammar | Constraint | None = None,
+    free_memory: Callable[[], None] | None = None,
 ) -> Iterator[Step]:
     """Generate after ``prompt_ids``, yielding one Step per target pass, the last with a finish reason.
 
@@ -267,7 +271,7 @@ def decode(
         if forced and (len(forced) == room or finished):
             n, token, verified = 0, None, False  # the grammar alone finishes this call: no pass
         else:
-            logits = target.forward(pending + forced + tokens, keep=n_draft + 1)  # [k+1, V]
+            logits = forward_retrying(target, pending + forced + tokens, n_draft + 1, free_memory)  # [k+1, V]
             if constraint is not None:
                 logits = apply_mask(logits, constraint.masks(n_draft + 1))
             d = torch.tensor(tokens, dtype=torch.long, device=logits.device)
@@ -365,14 +369,18 @@ def stream(
         models = {"target": pair.target}
         if isinstance(d, ModelDrafter):
             models["draft"] = d.state.model
-        states = cache.restore(pair, ids, models) if cache is not None else {}
+        states = {}
+        if cache is not None:
+            with cache_oom_frees_cache(cache, "restoring from"):  # then prefill in full
+                states = cache.restore(pair, ids, models)
         target = states.get("target") or ModelState(pair.target)
         if isinstance(d, ModelDrafter) and "draft" in states:
             d.state = states["draft"]
         ended = False  # finished, or closed by the caller: not failed
         stats = None
         try:
-            for step in decode(pair, ids, config, d, target=target, grammar=grammar):
+            free = cache.clear if cache is not None else None
+            for step in decode(pair, ids, config, d, target=target, grammar=grammar, free_memory=free):
                 stats = step.stats
                 stats.draft_cooldown = resting
                 yield step
@@ -392,7 +400,8 @@ def stream(
                 saved = {"target": target}
                 if isinstance(d, ModelDrafter):
                     saved["draft"] = d.state
-                cache.save(pair, saved)
+                with cache_oom_frees_cache(cache, "saving to"):  # it costs the cache, not the reply
+                    cache.save(pair, saved)
 
 
 def _pick_cache(pair: ModelPair, prefix_cache: Any):

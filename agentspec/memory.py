@@ -1,0 +1,103 @@
+"""Out-of-memory handling: free what agentspec holds, retry a bounded number of times, then say so.
+
+A device out-of-memory error is often transient on a shared GPU (another process held memory a
+moment ago, or the allocator's cache is fragmented). The target's verify pass is retried with
+``tenacity`` after freeing the prefix cache's KV segments and the allocator's cached blocks; the
+retried pass reads exactly the same tokens, and no sample was drawn before it, so the output is the
+one the call would have produced anyway. After ``OOM_ATTEMPTS`` failed attempts the call raises
+``DeviceOutOfMemory``, which names the sizes involved and what to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from agentspec.kv import ModelState
+
+log = logging.getLogger(__name__)
+
+OOM_ATTEMPTS = 3  # tries of one target pass (the first included) before DeviceOutOfMemory
+_OOM_TEXT = ("out of memory", "can't allocate memory")  # MPS, older CUDA builds, the CPU allocator
+
+
+class DeviceOutOfMemory(torch.OutOfMemoryError):
+    """Out of memory after freeing the prefix cache and retrying; a ``torch.OutOfMemoryError``."""
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc) for t in _OOM_TEXT)
+
+
+def release_cached_memory() -> None:
+    """Return the allocator's unused cached blocks to the device (and drop unreachable tensors)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def forward_retrying(
+    state: ModelState, new_ids: list[int], keep: int, free: Callable[[], None] | None = None
+) -> torch.Tensor:
+    """``state.forward(new_ids, keep)``, retried on out-of-memory after ``free()`` and
+    ``release_cached_memory()``.
+
+    A failed pass resets the state (``ModelState.forward``), so a retry feeds again the tokens it
+    covered before: the same sequence, recomputed.
+    """
+    covered = list(state.ids)
+
+    def attempt() -> torch.Tensor:
+        return state.forward(state.sync(covered) + new_ids, keep)
+
+    def before_retry(retry: RetryCallState) -> None:
+        log.warning(
+            "out of memory in a %d-token pass (attempt %d of %d): freeing the prefix cache and retrying",
+            len(covered) - len(state.ids) + len(new_ids),
+            retry.attempt_number,
+            OOM_ATTEMPTS,
+        )
+        if free is not None:
+            free()
+        release_cached_memory()
+
+    retrying = Retrying(
+        retry=retry_if_exception(is_oom),
+        stop=stop_after_attempt(OOM_ATTEMPTS),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        before_sleep=before_retry,
+        reraise=True,
+    )
+    try:
+        return retrying(attempt)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        release_cached_memory()
+        raise DeviceOutOfMemory(
+            f"out of memory on {state.model.device} in a pass over {len(covered) + len(new_ids)} "
+            f"tokens, {OOM_ATTEMPTS} attempts, the prefix cache freed before each retry: use a shorter "
+            f"prompt, fewer max_tokens, a smaller dtype or draft, or a smaller prefix-cache budget "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
+        ) from exc
+
+
+@contextlib.contextmanager
+def cache_oom_frees_cache(cache, doing: str) -> Iterator[None]:
+    """Copying KV out of or into a prefix cache: out of memory there clears the cache instead of
+    failing the call (the body's effect is then skipped: a full prefill, or nothing saved)."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        log.warning("out of memory %s the prefix cache (%r): clearing it", doing, exc)
+        cache.clear()
+        release_cached_memory()
