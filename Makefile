@@ -21,5 +21,6 @@ test: setup lint
 test-all: setup lint
 	$(BIN)/python -m pytest
 
+# every system side by side (quick mode, under 5 minutes on 2 cores; `agentspec bench --full` for the long run)
 bench: setup
-	$(BIN)/python benchmarks/bench_core.py
+	$(BIN)/agentspec bench

@@ -1,10 +1,11 @@
-"""`agentspec` command line: fetch the default model, answer a prompt, run the demo, distill a draft."""
+"""`agentspec` command line: fetch the default model, answer a prompt, run the demo, distill, bench."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 DEMO_PROMPT = (
     "Here is the result of the tool `get_order`:\n"
@@ -92,6 +93,24 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from agentspec.bench.run import Settings, run
+
+    settings = Settings(
+        mode="full" if args.full else "quick",
+        max_new_tokens=args.max_new_tokens,
+        loop_max_new_tokens=args.loop_max_new_tokens,
+        repeats=args.repeats or 1,
+        out=Path(args.out),
+        llama_cpp=args.llama_cpp,
+        device=args.device,
+    )
+    result = run(settings)
+    print(Path(settings.out).with_suffix(".md").read_text())
+    print("wrote", Path(settings.out).with_suffix(".json"), *result["plots"])
+    return 0 if all(result["single"]["identical_to_generate"].values()) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         help="continue from --out's data and checkpoints (default) or start over",
     )
     d.set_defaults(func=cmd_distill)
+    b = sub.add_parser(
+        "bench",
+        help="measure agentspec against transformers generate / assisted generation / prompt lookup, "
+        "ChatHuggingFace and (optionally) llama.cpp on the same work; writes JSON, Markdown and PNG",
+    )
+    b.add_argument("--full", action="store_true", help="all 8 prompts, longer outputs (~20 min)")
+    b.add_argument("--out", default="benchmarks/results/bench", help="path stem of the .json/.md/.png files")
+    b.add_argument("--max-new-tokens", type=int, help="per single call (quick 24, full 96)")
+    b.add_argument("--loop-max-new-tokens", type=int, help="per agent-loop call (quick 16, full 48)")
+    b.add_argument("--repeats", type=int, help="decodes per prompt and system (default 1)")
+    b.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (needs llama-cpp-python)")
+    b.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
+    b.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -40,7 +40,6 @@ import inspect
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -57,103 +56,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import agentspec  # noqa: E402
-from agentspec.kv import ModelState  # noqa: E402
+from agentspec.bench import roofline  # noqa: E402
+from agentspec.bench.workloads import PROMPTS, QUICK_PROMPTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-_WEATHER = json.dumps(
-    {
-        "location": {"city": "Lisbon", "country": "Portugal", "lat": 38.72, "lon": -9.14},
-        "current": {"temperature_c": 21.4, "humidity": 0.63, "wind_kph": 14.0, "condition": "partly cloudy"},
-        "forecast": [
-            {"day": "Tuesday", "high_c": 23, "low_c": 15, "condition": "sunny"},
-            {"day": "Wednesday", "high_c": 20, "low_c": 14, "condition": "light rain"},
-        ],
-    },
-    indent=2,
-)
-_SEARCH = json.dumps(
-    {
-        "query": "python dataclass default factory",
-        "results": [
-            {
-                "title": "dataclasses - Data Classes - Python 3 documentation",
-                "url": "https://docs.python.org/3/library/dataclasses.html",
-            },
-            {
-                "title": "Using default_factory in Python dataclasses",
-                "url": "https://realpython.com/python-data-classes/",
-            },
-            {
-                "title": "Mutable default values in dataclasses",
-                "url": "https://stackoverflow.com/questions/52063759",
-            },
-        ],
-    },
-    indent=2,
-)
-_CODE = """def calc(items, tax):
-    total = 0
-    for item in items:
-        total += item["price"] * item["qty"]
-    return total * (1 + tax)
-
-
-def report(items):
-    print("Total:", calc(items, 0.2))
-"""
-_BUGGY = """def average(numbers):
-    if not numbers:
-        return 0
-    total = 0
-    for n in numbers:
-        total += n
-    return total / len(number)
-"""
-
-
-def _user(text: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": text}]
-
-
-# (name, kind, messages). "chat": open answers; "agent": the answer copies its context.
-PROMPTS: list[tuple[str, str, list[dict[str, str]]]] = [
-    ("chat_tips", "chat", _user("Give me three tips for staying focused while working from home.")),
-    ("chat_hash_table", "chat", _user("Explain what a hash table is and why lookups are fast.")),
-    ("chat_poem", "chat", _user("Write a short poem about the sea at night.")),
-    (
-        "agent_repeat_json",
-        "agent",
-        _user(f"The weather tool returned this JSON:\n{_WEATHER}\nRepeat the tool result exactly, as JSON."),
-    ),
-    (
-        "agent_summarise_json",
-        "agent",
-        _user(
-            f"The weather tool returned this JSON:\n{_WEATHER}\n"
-            "Summarise the current weather and the forecast for the user."
-        ),
-    ),
-    (
-        "agent_list_titles",
-        "agent",
-        _user(f"A web search returned:\n{_SEARCH}\nList every result as a bullet with its title and URL."),
-    ),
-    (
-        "agent_code_rename",
-        "agent",
-        _user(
-            "Rename the function `calc` to `compute_total` everywhere in this code and return the full "
-            f"updated code:\n```python\n{_CODE}```"
-        ),
-    ),
-    (
-        "agent_code_fix",
-        "agent",
-        _user(f"This function has a bug. Return the corrected function in full:\n```python\n{_BUGGY}```"),
-    ),
-]
-QUICK_PROMPTS = ("chat_tips", "agent_repeat_json", "agent_summarise_json", "agent_code_rename")
 
 
 @dataclass
@@ -261,37 +167,7 @@ def compare(pair, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict
 
 def verify_cost(pair, sizes: list[int], cache_len: int, repeats: int) -> dict[str, Any]:
     """Median time of one target forward over k new tokens after a cache_len-token cache."""
-    text = (_WEATHER + _CODE + _SEARCH) * 4
-    ids = pair.tokenizer(text)["input_ids"]
-    assert len(ids) >= cache_len + max(sizes), f"{len(ids)=} too short"
-    prefix, new = ids[:cache_len], ids[cache_len : cache_len + max(sizes)]
-    state = ModelState(pair.target)
-    state.forward(prefix, keep=1)
-    times: dict[int, list[float]] = {k: [] for k in sizes}
-    for r in range(repeats + 1):  # round 0 warms up and is dropped
-        order = sizes[r % len(sizes) :] + sizes[: r % len(sizes)]  # rotate: drift hits every k
-        for k in order:
-            t0 = time.perf_counter()
-            state.forward(new[:k], keep=k)  # a verify pass keeps a logits row per new token
-            dt = time.perf_counter() - t0
-            state.truncate(cache_len)
-            if r:
-                times[k].append(dt)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {
-        "cache_tokens": cache_len,
-        "repeats": repeats,
-        "points": [
-            {
-                "new_tokens": k,
-                "median_ms": med[k] * 1e3,
-                "min_ms": min(times[k]) * 1e3,
-                "max_ms": max(times[k]) * 1e3,
-                "ratio_to_1": med[k] / med[sizes[0]],
-            }
-            for k in sizes
-        ],
-    }
+    return roofline.verify_cost(pair.target, pair.tokenizer, sizes, cache_len, repeats)
 
 
 def environment(pair) -> dict[str, Any]:

@@ -16,16 +16,13 @@ import argparse
 import json
 import platform
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from agent_conversation import TURNS, messages_for_call, prompt_ids  # noqa: E402
-
-import agentspec  # noqa: E402
+import agentspec
+from agentspec.bench.conversation import TURNS, messages_for_call, prompt_ids
 
 
 def peak_rss_mb() -> float:

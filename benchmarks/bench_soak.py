@@ -16,14 +16,17 @@ is the default ("auto", with the embedded distilled draft).
 Recorded after every call: resident memory (VmRSS), the prefix cache's bytes, the drafters'
 memory (tokens in the pair's suffix tree of earlier outputs), live Python objects, the call's
 latency, tokens prefilled, restored from the cache and generated, and decode time per output
-token. The summary compares the last window of calls with the first (memory growth, latency per
-output token), and fits the memory slope over the second half of the run. Writes JSON (--out) and
-a PNG next to it: memory over calls with the cache budget, latency per call with a rolling median.
+token; every --trim-every calls, resident memory again right after glibc's ``malloc_trim`` (what
+is live, without the pages the C allocator keeps). The summary compares the last window of calls
+with the first (memory, latency per output token) and fits memory slopes over the second half.
+Writes JSON (--out) and a PNG next to it: memory over calls with the cache budget, latency per
+call with a rolling median.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -63,6 +66,19 @@ def rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``); False where there is none.
+
+    Resident memory counts pages the allocator keeps after tensors are freed (glibc raises its mmap
+    threshold after large frees, so later KV tensors come from a heap that fragments). Measured
+    right after a trim, it counts what is live.
+    """
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0) or True)
+    except (OSError, AttributeError):
+        return False
 
 
 def to_messages(history: list[dict[str, str]], header: str) -> list:
@@ -106,9 +122,16 @@ def windows(values: list[float], size: int) -> list[float]:
 
 def slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ys on xs."""
+    if len(xs) < 2:
+        return 0.0
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    den = sum((x - mx) ** 2 for x in xs)
+    den = sum((x - mx) ** 2 for x in xs) if len(xs) > 1 else 0.0
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+
+
+def _xy(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    pts = [(r["call"], r[key]) for r in rows if r[key] is not None]
+    return [x for x, _ in pts], [y for _, y in pts]
 
 
 def summarise(rows: list[dict[str, Any]], budget_mb: float, window: int) -> dict[str, Any]:
@@ -132,6 +155,8 @@ def summarise(rows: list[dict[str, Any]], budget_mb: float, window: int) -> dict
         "rss_mb_max": max(rss),
         "rss_slope_mb_per_100_calls_second_half": 100
         * slope([r["call"] for r in half], [r["rss_mb"] for r in half]),
+        "rss_after_trim_mb": [(r["call"], r["rss_after_trim_mb"]) for r in rows if r["rss_after_trim_mb"]],
+        "rss_after_trim_slope_mb_per_100_calls_second_half": 100 * slope(*_xy(half, "rss_after_trim_mb")),
         "python_objects_first": rows[0]["python_objects"],
         "python_objects_last": rows[-1]["python_objects"],
         "suffix_tree_tokens_last": rows[-1]["suffix_tree_tokens"],
@@ -159,6 +184,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     x = [r["call"] for r in rows]
     fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     a.plot(x, [r["rss_mb"] for r in rows], label="resident memory (MB)")
+    trimmed = [(r["call"], r["rss_after_trim_mb"]) for r in rows if r["rss_after_trim_mb"]]
+    if trimmed:
+        a.plot(*zip(*trimmed), marker="o", ls="", label="resident memory right after a heap trim (MB)")
     a.plot(x, [r["cache_mb"] for r in rows], label="prefix cache (MB)")
     a.axhline(result["summary"]["cache_budget_mb"], ls="--", c="grey", label="cache budget")
     a.set_ylabel("MB")
@@ -185,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-mb", type=float, default=48)
     ap.add_argument("--window", type=int, default=50, help="calls per window in the summary")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trim-every", type=int, default=25, help="calls between heap trims (0: never)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak.json")
     args = ap.parse_args(argv)
 
@@ -228,7 +257,14 @@ def main(argv: list[str] | None = None) -> int:
             "suffix_tree_tokens": store.live,
             "suffix_tree_dead_entries": store.dead,
             "python_objects": len(gc.get_objects()),
+            "rss_after_trim_mb": None,
         })  # fmt: skip
+        if (
+            args.trim_every
+            and (n % args.trim_every == args.trim_every - 1 or n == len(plan) - 1)
+            and trim_heap()
+        ):
+            rows[-1]["rss_after_trim_mb"] = rss_mb()
         if n % 25 == 0 or n == len(plan) - 1:
             r = rows[-1]
             print(f"call {n:4d}  {latency:5.2f} s  rss {r['rss_mb']:7.1f} MB  cache {r['cache_mb']:5.1f} MB  "

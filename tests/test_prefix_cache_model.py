@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 import agentspec
+from agentspec.bench.conversation import messages_for_call, prompt_ids
 from agentspec.kv import common_prefix_len
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from agent_conversation import messages_for_call, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.model
 

@@ -1,0 +1,225 @@
+"""From raw measurements to figures: summaries, goals, a Markdown table and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# The goals of issue 9, as (key, what, threshold): ratios measured in the same run.
+GOALS = (
+    ("loop_vs_chat_huggingface", "agent loop: agentspec full vs ChatHuggingFace, end to end", 4.0),
+    ("single_vs_assisted", "single calls: agentspec auto vs transformers assisted (same draft)", 1.3),
+    ("agent_turns_vs_generate", "agent turns: agentspec auto vs plain transformers generate()", 2.0),
+)
+
+
+def acceptance_by_position(passes: list[tuple[int, int]], positions: int = 16) -> list[float | None]:
+    """P(draft token i accepted | the pass drafted at least i+1 tokens), i = 0..positions-1."""
+    out: list[float | None] = []
+    for i in range(positions):
+        drafted = [a for d, a in passes if d > i]
+        out.append(sum(a > i for a in drafted) / len(drafted) if drafted else None)
+    return out
+
+
+def summarise_single(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
+    """tokens/s per system and prompt kind (total tokens over total seconds), ratios, acceptance."""
+    out: dict[str, Any] = {}
+    for kind in ("chat", "agent", "all"):
+        part = [r for r in rows if kind == "all" or r["kind"] == kind]
+        if not part:
+            continue
+        per: dict[str, Any] = {}
+        for s in systems:
+            tokens = sum(len(r["runs"][s]["tokens"]) for r in part)
+            seconds = sum(r["runs"][s]["seconds"] for r in part)
+            per[s] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        for s in systems:
+            for ref in ("transformers generate", "transformers assisted"):
+                if ref in per:
+                    per[s][f"speedup_vs_{ref.split()[-1]}"] = per[ref]["seconds"] / per[s]["seconds"]
+        out[kind] = per
+    out["identical_to_generate"] = {s: all(r["runs"][s]["identical"] for r in rows) for s in systems}
+    out["acceptance_by_position"] = {
+        s: acceptance_by_position([tuple(p) for r in rows for p in r["runs"][s]["passes"]])
+        for s in systems
+        if any(r["runs"][s]["passes"] for r in rows)
+    }
+    return out
+
+
+def summarise_loop(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
+    totals = {s: sum(r["systems"][s]["seconds"] for r in rows) for s in systems}
+    out: dict[str, Any] = {"calls": len(rows), "total_seconds": totals}
+    for ref in ("ChatHuggingFace", "agentspec baseline"):
+        if ref in totals:
+            out[f"speedup_vs_{ref}"] = {s: totals[ref] / totals[s] for s in systems}
+    out["full_equals_baseline"] = all(
+        r["systems"]["agentspec full"]["text"] == r["systems"]["agentspec baseline"]["text"] for r in rows
+    )
+    return out
+
+
+def goals(single: dict[str, Any], loop: dict[str, Any]) -> list[dict[str, Any]]:
+    measured = {
+        "loop_vs_chat_huggingface": (loop.get("speedup_vs_ChatHuggingFace") or {}).get("agentspec full"),
+        "single_vs_assisted": single["all"].get("agentspec auto", {}).get("speedup_vs_assisted"),
+        "agent_turns_vs_generate": single.get("agent", {})
+        .get("agentspec auto", {})
+        .get("speedup_vs_generate"),
+    }
+    return [
+        {
+            "goal": what,
+            "threshold": t,
+            "measured": measured[key],
+            "met": measured[key] is not None and measured[key] >= t,
+        }
+        for key, what, t in GOALS
+    ]
+
+
+def _fmt(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env, single, loop = result["environment"], result["single"], result["loop"]
+    settings = result["settings"]
+    lines = [
+        "# agentspec bench",
+        "",
+        f"{env['model']} on {env['cpu_model']} ({env['device']}, {env['dtype']}, "
+        f"{env['torch_threads']} threads), commit {env.get('git_commit') or '?'}"
+        f"{' (dirty)' if env.get('git_dirty_paths') else ''}; mode {settings['mode']}, "
+        f"{settings['max_new_tokens']} new tokens per single call, {settings['loop_max_new_tokens']} per "
+        "agent-loop call. Greedy throughout; systems interleaved per prompt and per call.",
+        "",
+        "## Goals",
+        "",
+        "| goal | needed | measured | met |",
+        "| --- | --- | --- | --- |",
+    ]
+    for g in result["goals"]:
+        lines.append(
+            f"| {g['goal']} | {g['threshold']:.1f}x | {_fmt(g['measured'])}x | "
+            f"{'yes' if g['met'] else 'no'} |"
+        )
+    lines += [
+        "",
+        "## Single calls (tokens/s; speed-up = time of the reference / time of the row)",
+        "",
+        "| system | chat tok/s | agent tok/s | vs generate (agent) | vs assisted (all) "
+        "| same tokens as generate |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in result["single_systems"]:
+        chat, agent, allp = (single.get(k, {}).get(s, {}) for k in ("chat", "agent", "all"))
+        lines.append(
+            f"| {s} | {_fmt(chat.get('tokens_per_s'), 1)} | {_fmt(agent.get('tokens_per_s'), 1)} | "
+            f"{_fmt(agent.get('speedup_vs_generate'))}x | {_fmt(allp.get('speedup_vs_assisted'))}x | "
+            f"{'yes' if single['identical_to_generate'][s] else 'NO'} |"
+        )
+    lines += ["", f"## Agent loop ({loop['calls']} calls over a growing ~1,200-token prefix)", ""]
+    lines += [
+        "| system | total s | vs ChatHuggingFace | vs agentspec baseline |",
+        "| --- | --- | --- | --- |",
+    ]
+    for s, total in loop["total_seconds"].items():
+        vs_hf = (loop.get("speedup_vs_ChatHuggingFace") or {}).get(s)
+        vs_base = (loop.get("speedup_vs_agentspec baseline") or {}).get(s)
+        lines.append(f"| {s} | {total:.1f} | {_fmt(vs_hf)}x | {_fmt(vs_base)}x |")
+    lines.append("")
+    lines.append(
+        f"agentspec full's replies equal the baseline's: {'yes' if loop['full_equals_baseline'] else 'NO'}. "
+        "ChatHuggingFace takes no tool messages: it gets each tool call as `<tool_call>` text in the "
+        "assistant's turn and each result as a user message (`Tool result: ...`), so its prompts and "
+        "replies differ a little from the others'."
+    )
+    if result.get("llama_cpp"):
+        lc = result["llama_cpp"]
+        lines += ["", "## llama.cpp (outside reference, not mixed into the rows above)", ""]
+        if "tokens_per_s" in lc:
+            lines.append(
+                f"{lc['tokens_per_s']:.1f} tokens/s on the same prompts "
+                f"({lc['gguf']}, {lc['threads']} threads)."
+            )
+        else:
+            lines.append(lc["status"])
+    roof = result["roofline"]
+    lines += [
+        "",
+        "## Roofline",
+        "",
+        f"Read bandwidth {roof['bandwidth']['median_gb_s']:.1f} GB/s "
+        f"({roof['bandwidth']['threads']} threads).",
+        "",
+        "| model | MB read per step | bound ms | measured ms | fraction of bound |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, m in roof["models"].items():
+        lines.append(
+            f"| {name} | {m['bytes_per_step'] / 1e6:.0f} | {m['bound_ms']:.1f} | {m['step_ms']:.1f} | "
+            f"{m['fraction_of_bound']:.2f} |"
+        )
+    curve = roof["models"]["target"]["verify_cost"]["points"]
+    lines += [
+        "",
+        "Verify cost T(k)/T(1): " + ", ".join(f"k={p['new_tokens']}: {p['ratio_to_1']:.2f}" for p in curve),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict[str, Any], folder: Path, stem: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    single, systems = result["single"], result["single_systems"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.4
+    for j, kind in enumerate(("chat", "agent")):
+        vals = [single.get(kind, {}).get(s, {}).get("tokens_per_s", 0) for s in systems]
+        ax.bar([i + (j - 0.5) * width for i in range(len(systems))], vals, width, label=f"{kind} prompts")
+    ax.set_xticks(range(len(systems)), [s.replace(" ", "\n", 1) for s in systems], fontsize=8)
+    ax.set_ylabel("tokens/s (single calls, greedy)")
+    ax.set_title("Single calls: tokens/s per system")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(folder / f"{stem}_tokens_per_s.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    loop = result["loop_rows"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for s in result["loop"]["total_seconds"]:
+        ax.plot(range(1, len(loop) + 1), [r["systems"][s]["seconds"] for r in loop], marker="o", label=s)
+    ax.set_xlabel("call in the agent loop")
+    ax.set_ylabel("seconds")
+    ax.set_title("Per-call latency across the agent loop")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(folder / f"{stem}_agent_loop.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for s, rates in single["acceptance_by_position"].items():
+        xs = [i + 1 for i, r in enumerate(rates) if r is not None]
+        ax.plot(xs, [r for r in rates if r is not None], marker=".", label=s)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | drafted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance by draft position (single calls)")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(folder / f"{stem}_acceptance.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

