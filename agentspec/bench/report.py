@@ -144,9 +144,12 @@ def markdown(result: dict[str, Any]) -> str:
         lc = result["llama_cpp"]
         lines += ["", "## llama.cpp (outside reference, not mixed into the rows above)", ""]
         if "tokens_per_s" in lc:
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in lc["tokens_per_s_by_kind"].items())
+            same = lc["same_tokens_as_generate"]
             lines.append(
-                f"{lc['tokens_per_s']:.1f} tokens/s on the same prompts "
-                f"({lc['gguf']}, {lc['threads']} threads)."
+                f"{lc['tokens_per_s']:.1f} tokens/s on the same prompts ({kinds}; {lc['gguf']}, Q4_1 "
+                f"weights, {lc['threads']} threads); the same tokens as `generate()` on {sum(same)} of "
+                f"{len(same)} prompts (quantised arithmetic)."
             )
         else:
             lines.append(lc["status"])

@@ -165,9 +165,11 @@ def agent_loop(pair, chat_models: dict[str, Any], bar) -> list[dict[str, Any]]:
     return rows
 
 
-def run_llama_cpp(pair, prompts, settings: Settings) -> dict[str, Any]:
+def run_llama_cpp(pair, prompts, settings: Settings, single_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """llama.cpp on the embedded target's GGUF file (Q4_1: it reads about a quarter of the bytes of
-    the float32 weights the transformers rows use), greedy, on the same prompt ids."""
+    the float32 weights the transformers rows use, which are those Q4_1 weights dequantised), greedy,
+    on the same prompt ids; its tokens are compared with ``generate``'s (its quantised arithmetic may
+    break near-ties differently)."""
     if pair.name != DEFAULT_NAME:
         return {"status": "skipped: llama.cpp runs only for the embedded target (its GGUF file)"}
     llm = systems.llama_cpp(str(default_gguf()), torch.get_num_threads())
@@ -175,10 +177,25 @@ def run_llama_cpp(pair, prompts, settings: Settings) -> dict[str, Any]:
         return {
             "status": "skipped: llama-cpp-python is not installed (pip install llama-cpp-python; it compiles)"
         }
-    calls = [systems.run_llama_cpp(llm, _ids(pair, m), settings.max_new_tokens) for _, _, m in prompts]
+    ids = [_ids(pair, m) for _, _, m in prompts]
+    systems.run_llama_cpp(llm, ids[0][:8], 4)  # warm-up
+    calls = [systems.run_llama_cpp(llm, x, settings.max_new_tokens) for x in ids]
+    refs = [row["runs"]["transformers generate"]["tokens"] for row in single_rows]
     tokens, seconds = sum(len(c.tokens) for c in calls), sum(c.seconds for c in calls)
-    return {"gguf": DEFAULT_GGUF, "threads": torch.get_num_threads(), "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds}  # fmt: skip
+    by_kind = {}
+    for kind in ("chat", "agent"):
+        part = [c for c, (_, k, _) in zip(calls, prompts) if k == kind]
+        if part:
+            by_kind[kind] = sum(len(c.tokens) for c in part) / sum(c.seconds for c in part)
+    return {
+        "gguf": DEFAULT_GGUF,
+        "threads": torch.get_num_threads(),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_s_by_kind": by_kind,
+        "same_tokens_as_generate": [c.tokens == ref for c, ref in zip(calls, refs)],
+    }
 
 
 def default_gguf() -> Path:
@@ -216,7 +233,7 @@ def run(settings: Settings) -> dict[str, Any]:
         quick = settings.mode == "quick"
         roof = roofline.roofline(pair, [1, 2, 4, 8, 16], repeats=5 if quick else 15)
         bar.update(1)
-    llama = run_llama_cpp(pair, prompts, settings) if settings.llama_cpp else None
+    llama = run_llama_cpp(pair, prompts, settings, single_rows) if settings.llama_cpp else None
     single = report.summarise_single(single_rows, names)
     loop = report.summarise_loop(loop_rows, list(chat_models))
     if "ChatHuggingFace" not in chat_models:

@@ -148,7 +148,7 @@ def run_llama_cpp(llm, ids: list[int], max_new_tokens: int) -> Call:
     tokens: list[int] = []
     t0 = time.perf_counter()
     llm.reset()
-    for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0, reset=True):
+    for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
         tokens.append(int(tok))
         if tok == llm.token_eos() or len(tokens) >= max_new_tokens:
             break
