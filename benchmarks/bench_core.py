@@ -39,8 +39,6 @@ import argparse
 import inspect
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -171,44 +169,10 @@ def verify_cost(pair, sizes: list[int], cache_len: int, repeats: int) -> dict[st
 
 
 def environment(pair) -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    """CPU, threads, versions, model and git commit (``agentspec.bench.run.environment``)."""
+    from agentspec.bench.run import environment as bench_environment
 
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
-            return done.stdout.strip()
-        except Exception:
-            return None
-
-    import transformers
-
-    env = {
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "agentspec": agentspec.__version__,
-        "model": pair.name,
-        "device": str(pair.device),
-        "dtype": str(pair.dtype),
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty_paths": (git("status", "--porcelain") or "").splitlines(),
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "load_average_start": list(os.getloadavg()),
-    }
-    if pair.device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(pair.device)
-    return env
+    return bench_environment(pair)
 
 
 def summarise(runs: list[Run], ref: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -177,6 +177,20 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _finish(fig, ax, title: str, xlabel: str | None, ylabel: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plots(result: dict[str, Any], folder: Path, stem: str) -> list[Path]:
     import matplotlib
 
@@ -191,38 +205,21 @@ def plots(result: dict[str, Any], folder: Path, stem: str) -> list[Path]:
         vals = [single.get(kind, {}).get(s, {}).get("tokens_per_s", 0) for s in systems]
         ax.bar([i + (j - 0.5) * width for i in range(len(systems))], vals, width, label=f"{kind} prompts")
     ax.set_xticks(range(len(systems)), [s.replace(" ", "\n", 1) for s in systems], fontsize=8)
-    ax.set_ylabel("tokens/s (single calls, greedy)")
-    ax.set_title("Single calls: tokens/s per system")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(folder / f"{stem}_tokens_per_s.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    title, path = "Single calls: tokens/s per system", folder / f"{stem}_tokens_per_s.png"
+    paths.append(_finish(fig, ax, title, None, "tokens/s (single calls, greedy)", path))
 
     loop = result["loop_rows"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for s in result["loop"]["total_seconds"]:
         ax.plot(range(1, len(loop) + 1), [r["systems"][s]["seconds"] for r in loop], marker="o", label=s)
-    ax.set_xlabel("call in the agent loop")
-    ax.set_ylabel("seconds")
-    ax.set_title("Per-call latency across the agent loop")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(folder / f"{stem}_agent_loop.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    title, path = "Per-call latency across the agent loop", folder / f"{stem}_agent_loop.png"
+    paths.append(_finish(fig, ax, title, "call in the agent loop", "seconds", path))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for s, rates in single["acceptance_by_position"].items():
         xs = [i + 1 for i, r in enumerate(rates) if r is not None]
         ax.plot(xs, [r for r in rates if r is not None], marker=".", label=s)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("P(accepted | drafted)")
     ax.set_ylim(0, 1)
-    ax.set_title("Acceptance by draft position (single calls)")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(folder / f"{stem}_acceptance.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    title, path = "Acceptance by draft position (single calls)", folder / f"{stem}_acceptance.png"
+    paths.append(_finish(fig, ax, title, "draft position", "P(accepted | drafted)", path))
     return paths
