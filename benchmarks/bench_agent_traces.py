@@ -45,7 +45,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_traces import TRACES, calls  # noqa: E402
 
 import agentspec  # noqa: E402
+from agentspec.bench.run import environment  # noqa: E402
 from agentspec.drafters import DraftMemory, HybridDrafter, build_drafter  # noqa: E402
 from agentspec.models import ModelPair  # noqa: E402
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         pair, draft, kind = base, base.draft, "the embedded pair's distilled draft (agentspec distill)"
     tok = pair.tokenizer
     memories = {c: DraftMemory() for c in configs}
-    load0 = list(os.getloadavg())
+    env = environment(pair)  # at the start: the git commit and dirty paths the run used
 
     def ids_of(history):
         return list(
@@ -307,7 +307,6 @@ def main(argv: list[str] | None = None) -> int:
         hist = t["configs"].get("model", {}).get("acceptance_histogram", [])
         first[0] += sum(hist[1:])
         first[1] += sum(hist)
-    import transformers
 
     result = {
         "benchmark": "agent_traces",
@@ -336,19 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             "draft_step": auto_memory.cost.draft_step if auto_memory else None,
             "note": "auto's VerifyCost after the run: (n new tokens, T(n)/T(1)) and draft step / target step",
         },
-        "environment": {
-            "model": pair.name,
-            "device": str(pair.device),
-            "dtype": str(pair.dtype),
-            "torch_threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "load_average_start": load0,
-            "load_average_end": list(os.getloadavg()),
-        },
+        "environment": {**env, "load_average_end": list(os.getloadavg())},
         "all_identical": mismatches == 0,
         "verdict": verdict,
         "aggregate": aggregate,
