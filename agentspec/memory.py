@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 import torch
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from agentspec.kv import ModelState
 
@@ -49,30 +49,38 @@ def forward_retrying(
     """``state.forward(new_ids, keep)``, retried on out-of-memory after ``free()`` and
     ``release_cached_memory()``.
 
-    A failed pass resets the state (``ModelState.forward``), so a retry feeds again the tokens it
+    The pass itself is a plain call: the retry machinery is built only once a pass has failed. A
+    failed pass resets the state (``ModelState.forward``), so a retry feeds again the tokens it
     covered before: the same sequence, recomputed.
     """
-    covered = list(state.ids)
+    covered = state.ids  # no copy per pass: a failed pass gives the state a new list, this one stays
+    try:
+        return state.forward(new_ids, keep)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        failure = exc
 
     def attempt() -> torch.Tensor:
         return state.forward(state.sync(covered) + new_ids, keep)
 
-    def before_retry(retry: RetryCallState) -> None:
+    def free_all(attempt_number: int) -> None:
         log.warning(
             "out of memory in a %d-token pass (attempt %d of %d): freeing the prefix cache and retrying",
-            len(covered) - len(state.ids) + len(new_ids),
-            retry.attempt_number,
+            len(covered) + len(new_ids),
+            attempt_number,
             OOM_ATTEMPTS,
         )
         if free is not None:
             free()
         release_cached_memory()
 
+    free_all(1)
     retrying = Retrying(
         retry=retry_if_exception(is_oom),
-        stop=stop_after_attempt(OOM_ATTEMPTS),
+        stop=stop_after_attempt(OOM_ATTEMPTS - 1),
         wait=wait_exponential(multiplier=0.05, max=1.0),
-        before_sleep=before_retry,
+        before_sleep=lambda retry: free_all(retry.attempt_number + 1),
         reraise=True,
     )
     try:
@@ -80,13 +88,14 @@ def forward_retrying(
     except Exception as exc:
         if not is_oom(exc):
             raise
-        release_cached_memory()
-        raise DeviceOutOfMemory(
-            f"out of memory on {state.model.device} in a pass over {len(covered) + len(new_ids)} "
-            f"tokens, {OOM_ATTEMPTS} attempts, the prefix cache freed before each retry: use a shorter "
-            f"prompt, fewer max_tokens, a smaller dtype or draft, or a smaller prefix-cache budget "
-            f"({type(exc).__name__}: {str(exc)[:200]})"
-        ) from exc
+        failure = exc
+    release_cached_memory()
+    raise DeviceOutOfMemory(
+        f"out of memory on {state.model.device} in a pass over {len(covered) + len(new_ids)} "
+        f"tokens, {OOM_ATTEMPTS} attempts, the prefix cache freed before each retry: use a shorter "
+        f"prompt, fewer max_tokens, a smaller dtype or draft, or a smaller prefix-cache budget "
+        f"({type(failure).__name__}: {str(failure)[:200]})"
+    ) from failure
 
 
 @contextlib.contextmanager
