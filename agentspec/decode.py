@@ -347,12 +347,13 @@ def stream(
     early releases it and still saves what was verified.
     """
     config = _config(options)
+    drafter = "auto" if drafter is None else drafter
     d = resolve_drafter(pair, drafter, config.speculative)
     cache = _pick_cache(pair, prefix_cache)
     # drafters named by string are built afresh per call, so their failures are counted per pair and
     # name (a cool-down, agentspec.drafters.health); a Drafter instance passed in is the caller's own
     health = pair.draft_health
-    key = (drafter or "auto") if isinstance(drafter, str) or drafter is None else None
+    key = drafter if isinstance(drafter, str) else None
     with pair.lock:
         ids = check_prompt(pair, prompt_ids)
         resting = None  # a drafter sitting out its cool-down (it kept failing): the target alone
@@ -381,8 +382,9 @@ def stream(
         try:
             free = cache.clear if cache is not None else None
             for step in decode(pair, ids, config, d, target=target, grammar=grammar, free_memory=free):
-                stats = step.stats
-                stats.draft_cooldown = resting
+                if stats is None:  # one DecodeStats per call, shared by its steps
+                    stats = step.stats
+                    stats.draft_cooldown = resting
                 yield step
             ended = True
         except GeneratorExit:

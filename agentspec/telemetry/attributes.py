@@ -147,7 +147,7 @@ def speculation_attributes(stats: DecodeStats) -> dict[str, Any]:
         PREFIX_TOKENS_RESTORED: stats.cached_tokens,
         PREFILL_TOKENS: stats.prefill_tokens,
         **source_attributes(stats),
-        **({DRAFT_COOLDOWN: stats.draft_cooldown} if getattr(stats, "draft_cooldown", None) else {}),
+        **({DRAFT_COOLDOWN: stats.draft_cooldown} if stats.draft_cooldown else {}),
     }
 
 
