@@ -18,7 +18,8 @@ from agentspec.bench.workloads import _CODE, _SEARCH, _WEATHER
 from agentspec.kv import ModelState
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a timer sees all of it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -30,12 +31,12 @@ def read_bandwidth(device: torch.device, mib: int = 512, repeats: int = 7) -> di
     """
     x = torch.ones(mib << 18, dtype=torch.float32, device=device)  # mib MiB of 4-byte floats
     x.sum()
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         x.sum()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     bytes_read = x.numel() * x.element_size()
     del x
@@ -79,7 +80,7 @@ def verify_cost(model, tokenizer, sizes: list[int], cache_len: int, repeats: int
         for k in order:
             t0 = time.perf_counter()
             state.forward(new[:k], keep=k)  # a verify pass keeps a logits row per new token
-            _sync(model.device)
+            synchronize(model.device)
             dt = time.perf_counter() - t0
             state.truncate(cache_len)
             if r:

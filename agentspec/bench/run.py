@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 import agentspec
 from agentspec.bench import report, roofline, systems, workloads
+from agentspec.bench.conversation import prompt_ids
 from agentspec.models import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_WHEEL, cache_home, ensure_default_model
 
 
@@ -101,11 +102,6 @@ def environment(pair) -> dict[str, Any]:
     return env
 
 
-def _ids(pair, messages) -> list[int]:
-    out = pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-    return list(out["input_ids"])
-
-
 def _first_diff(a: list[int], b: list[int]) -> int | None:
     if a == b:
         return None
@@ -116,7 +112,7 @@ def single_calls(pair, prompts, names: list[str], settings: Settings, bar) -> li
     rows = []
     drafters: dict[tuple[str, int], Any] = {}  # (system, repeat) -> its drafter, kept across prompts
     for i, (name, kind, messages) in enumerate(prompts):
-        ids = _ids(pair, messages)
+        ids = prompt_ids(pair.tokenizer, messages)
         runs: dict[str, list[systems.Call]] = {s: [] for s in names}
         for r in range(settings.repeats):
             s0 = (i + r) % len(names)
@@ -180,7 +176,7 @@ def run_llama_cpp(pair, prompts, settings: Settings, single_rows: list[dict[str,
         return {
             "status": "skipped: llama-cpp-python is not installed (pip install llama-cpp-python; it compiles)"
         }
-    ids = [_ids(pair, m) for _, _, m in prompts]
+    ids = [prompt_ids(pair.tokenizer, m) for _, _, m in prompts]
     systems.run_llama_cpp(llm, ids[0][:8], 4)  # warm-up
     calls = [systems.run_llama_cpp(llm, x, settings.max_new_tokens) for x in ids]
     refs = [row["runs"]["transformers generate"]["tokens"] for row in single_rows]
@@ -222,7 +218,7 @@ def run(settings: Settings) -> dict[str, Any]:
     chat_models = systems.loop_systems(pair, settings.loop_max_new_tokens, cache_bytes=1 << 30)
     n_loop = len(workloads.agent_loop())
     total = len(prompts) * len(names) * settings.repeats + n_loop * len(chat_models) + 1
-    warm = _ids(pair, [{"role": "user", "content": "Hi"}])
+    warm = prompt_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
     for s in names:  # every code path once (allocator, kernels, lazy imports), untimed
         systems.run_single(
             pair, s, warm, 4, systems.own_drafter(pair, s) if s.startswith("agentspec") else None

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import agentspec
+from agentspec.bench.roofline import synchronize
 from agentspec.drafters import DraftMemory, build_drafter
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
@@ -51,11 +52,6 @@ def single_call_systems(pair) -> list[str]:
     return names + [f"agentspec {d}" for d in drafters]
 
 
-def _sync(pair) -> None:
-    if pair.device.type == "cuda":
-        torch.cuda.synchronize(pair.device)
-
-
 def own_drafter(pair, system: str):
     """An agentspec system's drafter with a drafting memory of its own (earlier outputs,
     calibrations, cost curve): no system drafts from the replies another system wrote to the
@@ -83,7 +79,7 @@ def run_single(pair, system: str, ids: list[int], max_new_tokens: int, drafter=N
                 max_new_tokens=max_new_tokens,
                 **options,
             )
-        _sync(pair)
+        synchronize(pair.device)
         return Call(system, out[0, len(ids) :].tolist(), time.perf_counter() - t0)
     tokens: list[int] = []
     passes: list[tuple[int, int]] = []
@@ -93,7 +89,7 @@ def run_single(pair, system: str, ids: list[int], max_new_tokens: int, drafter=N
         tokens += step.tokens
         if step.drafted:
             passes.append((step.drafted, step.accepted))
-    _sync(pair)
+    synchronize(pair.device)
     return Call(system, tokens, time.perf_counter() - t0, passes)
 
 
@@ -147,7 +143,7 @@ def run_llama_cpp(llm, ids: list[int], max_new_tokens: int) -> Call:
     """Greedy decode of the same prompt ids (temperature 0, top-k 1) with llama.cpp."""
     tokens: list[int] = []
     t0 = time.perf_counter()
-    llm.reset()
+    llm.reset()  # a cold prompt, as every other row has (generate would reuse a matching prefix)
     for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
         tokens.append(int(tok))
         if tok == llm.token_eos() or len(tokens) >= max_new_tokens:
