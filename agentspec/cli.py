@@ -68,6 +68,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from agentspec.distill import DistillConfig, distill
 
     given = {
+        "architecture": args.architecture,
         "n_layers": args.layers,
         "init_layers": args.init_layers,
         "n_prompts": args.prompts,
@@ -135,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("distill", help="train a draft model for a target on the target's own responses")
     d.add_argument("--target", default=None, help="hub id, folder or .gguf (default: the embedded model)")
     d.add_argument("--out", required=True, help="the draft folder to write (data/ and checkpoints/ inside)")
-    d.add_argument("--layers", type=int, help="decoder layers of the draft (default 2)")
+    d.add_argument(
+        "--architecture",
+        choices=("eagle", "layers"),
+        help="eagle: one layer on the target's hidden states (default); layers: a small model of tokens",
+    )
+    d.add_argument("--layers", type=int, help="layers architecture: decoder layers of the draft (default 2)")
     d.add_argument(
         "--init-layers", type=_layer_list, help="target layers to copy, e.g. 0,1 (default: the first n)"
     )

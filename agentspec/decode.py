@@ -271,7 +271,10 @@ def decode(
         if forced and (len(forced) == room or finished):
             n, token, verified = 0, None, False  # the grammar alone finishes this call: no pass
         else:
-            logits = forward_retrying(target, pending + forced + tokens, n_draft + 1, free_memory)  # [k+1, V]
+            tap = getattr(drafter, "uses_target_hidden", False)  # an EAGLE head drafts from them
+            at = len(target.ids)  # position of the pass's first token
+            logits = forward_retrying(target, pending + forced + tokens, n_draft + 1, free_memory, tap)
+            logits, hidden = logits if tap else (logits, None)  # [k+1, V]; [pass tokens, H]
             if constraint is not None:
                 logits = apply_mask(logits, constraint.masks(n_draft + 1))
             d = torch.tensor(tokens, dtype=torch.long, device=logits.device)
@@ -282,6 +285,11 @@ def decode(
                 n, token = speculative_verify(d, p, q[:n_draft] if q is not None else None, gen)
             assert 0 <= token < vocab, f"{token=} {vocab=}"
             target.truncate(len(seq) + len(forced) + n)  # roll back the rejected draft tokens
+            if hidden is not None:  # the verified positions' features
+                try:
+                    drafter.observe_hidden(at, hidden[: len(target.ids) - at])
+                except Exception as exc:
+                    drafter = _drop(drafter, exc, stats)
             stats.observe_step(n_draft, n, source)
             stats.jump_forward_tokens += n_jump
             stats.jump_forward_accepted += min(n, n_jump)
@@ -368,14 +376,15 @@ def stream(
                     health.record(key, failed=True)
                 d = None
         models = {"target": pair.target}
-        if isinstance(d, ModelDrafter):
+        cached_draft = isinstance(d, ModelDrafter) and d.caches_state  # (an EAGLE head's is not)
+        if cached_draft:
             models["draft"] = d.state.model
         states = {}
         if cache is not None:
             with cache_oom_frees_cache(cache, "restoring from"):  # then prefill in full
                 states = cache.restore(pair, ids, models)
         target = states.get("target") or ModelState(pair.target)
-        if isinstance(d, ModelDrafter) and "draft" in states:
+        if cached_draft and "draft" in states:
             d.state = states["draft"]
         ended = False  # finished, or closed by the caller: not failed
         stats = None
@@ -393,14 +402,14 @@ def stream(
         finally:
             if d is not None and key is not None and stats is not None:
                 health.record(key, failed=stats.draft_failures > 0)
-            if ended and cache is not None and isinstance(d, ModelDrafter):
+            if ended and cache is not None and cached_draft:
                 try:  # the draft then covers the same verified tokens (also when closed early)
                     d.catch_up(target.ids)
                 except Exception as exc:  # a broken draft: the cache keeps the part it covered
                     log.warning("draft catch-up failed (%r); the cache keeps the draft's shorter part", exc)
             if cache is not None:
                 saved = {"target": target}
-                if isinstance(d, ModelDrafter):
+                if cached_draft:
                     saved["draft"] = d.state
                 with cache_oom_frees_cache(cache, "saving to"):  # it costs the cache, not the reply
                     cache.save(pair, saved)

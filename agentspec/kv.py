@@ -46,18 +46,33 @@ class ModelState:
         return seq[len(self.ids) :]
 
     @torch.inference_mode()
-    def forward(self, new_ids: list[int], keep: int) -> torch.Tensor:
-        """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V]."""
+    def forward(self, new_ids: list[int], keep: int, hidden: bool = False):
+        """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
+
+        With ``hidden``, return (logits, the final norm's output for ``new_ids`` [len(new_ids), H]):
+        the features an EAGLE head drafts from (``agentspec.drafters.eagle``).
+        """
         assert new_ids, "forward needs at least one new token"
         device = self.model.device
         x = torch.tensor([new_ids], dtype=torch.long, device=device)
+        captured: list[torch.Tensor] = []
+        hook = None
+        if hidden:
+            from agentspec.drafters.eagle import final_norm
+
+            hook = final_norm(self.model).register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
             out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
         except BaseException:
             self.reset()  # a failed pass may have updated some layers only: start clean
             raise
+        finally:
+            if hook is not None:
+                hook.remove()
         self.ids.extend(new_ids)
         self.check()
+        if hidden:
+            return out.logits[0, -keep:], captured[-1][0, -len(new_ids) :]
         return out.logits[0, -keep:]
 
     def reset(self) -> None:

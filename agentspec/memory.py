@@ -44,9 +44,13 @@ def release_cached_memory() -> None:
 
 
 def forward_retrying(
-    state: ModelState, new_ids: list[int], keep: int, free: Callable[[], None] | None = None
-) -> torch.Tensor:
-    """``state.forward(new_ids, keep)``, retried on out-of-memory after ``free()`` and
+    state: ModelState,
+    new_ids: list[int],
+    keep: int,
+    free: Callable[[], None] | None = None,
+    hidden: bool = False,
+):
+    """``state.forward(new_ids, keep, hidden)``, retried on out-of-memory after ``free()`` and
     ``release_cached_memory()``.
 
     The pass itself is a plain call: the retry machinery is built only once a pass has failed. A
@@ -55,14 +59,14 @@ def forward_retrying(
     """
     covered = state.ids  # no copy per pass: a failed pass gives the state a new list, this one stays
     try:
-        return state.forward(new_ids, keep)
+        return state.forward(new_ids, keep, hidden)
     except Exception as exc:
         if not is_oom(exc):
             raise
         failure = exc
 
-    def attempt() -> torch.Tensor:
-        return state.forward(state.sync(covered) + new_ids, keep)
+    def attempt():
+        return state.forward(state.sync(covered) + new_ids, keep, hidden)
 
     def free_all(attempt_number: int) -> None:
         log.warning(

@@ -285,7 +285,7 @@ def load_pair(
 
         if is_draft_folder(draft_model):  # distilled by `agentspec distill`: the target's embeddings
             draft = load_draft(draft_model, target)
-            use_grouped_sdpa(draft)
+            use_grouped_sdpa(getattr(draft, "decoder", draft))  # an EAGLE head: its decoder layer
             draft_tok = _folder_tokenizer(Path(draft_model).expanduser())
             if draft_tok is not None:
                 check_tokenizers(tok, draft_tok)

@@ -78,7 +78,8 @@ def tiny_target(tiny_llama, byte_tokenizer):
 def distilled(tiny_target, byte_tokenizer, tmp_path_factory):
     out = tmp_path_factory.mktemp("draft")
     # draft_vocab=64 of 259 ids: the draft's head is a SubsetHead (the default recipe's 8,192 of 49k)
-    distill(tiny_target, out, tokenizer=byte_tokenizer, steps=4, n_layers=2, draft_vocab=64, **TINY)
+    distill(tiny_target, out, tokenizer=byte_tokenizer, steps=4, n_layers=2, draft_vocab=64,
+            architecture="layers", **TINY)  # fmt: skip
     return out
 
 
@@ -164,7 +165,11 @@ def test_bad_config_raises_a_clear_value_error():
     with pytest.raises(ValueError, match="n_layers"):
         DistillConfig(n_layers=0)
     with pytest.raises(ValueError, match="init_layers"):
-        DistillConfig(n_layers=2, init_layers=(0, 5, 9))
+        DistillConfig(n_layers=2, init_layers=(0, 5, 9), architecture="layers")
+    with pytest.raises(ValueError, match="one layer"):
+        DistillConfig(init_layers=(0, 5))  # an EAGLE head (the default) has one layer
+    with pytest.raises(ValueError, match="architecture"):
+        DistillConfig(architecture="medusa")
     with pytest.raises(ValueError, match="greedy_fraction"):
         DistillConfig(greedy_fraction=1.5)
     with pytest.raises(ValueError, match="lr"):
@@ -201,6 +206,8 @@ def test_cli_options_reach_the_config(tmp_path, monkeypatch):
         "distill",
         "--out",
         str(tmp_path),
+        "--architecture",
+        "layers",
         "--init-layers",
         "0,29",
         "--time-budget-s",
@@ -210,8 +217,8 @@ def test_cli_options_reach_the_config(tmp_path, monkeypatch):
     ]
     assert main([*argv, "--no-resume", "--target", "some/model"]) == 0
     cfg = seen["config"]
-    assert (seen["target"], cfg.init_layers, cfg.time_budget_s, cfg.steps, cfg.resume) == (
-        "some/model", (0, 29), None, 5, False)  # fmt: skip
+    assert (seen["target"], cfg.architecture, cfg.init_layers, cfg.time_budget_s, cfg.steps, cfg.resume) == (
+        "some/model", "layers", (0, 29), None, 5, False)  # fmt: skip
     assert (cfg.n_layers, cfg.n_prompts) == (DistillConfig().n_layers, DistillConfig().n_prompts)
 
 
@@ -383,7 +390,7 @@ def test_resume_continues_from_the_last_checkpoint(
     mtime = shard.stat().st_mtime_ns
     logs: list[str] = []
     monkeypatch.setattr(pipeline, "_log", lambda cfg: logs.append)
-    cfg = DistillConfig(steps=6, n_layers=2, **TINY)
+    cfg = DistillConfig(steps=6, n_layers=2, architecture="layers", **TINY)
     distill(tiny_target, out, tokenizer=byte_tokenizer, config=cfg)
     assert any("resuming from step 4" in line for line in logs), logs
     assert shard.stat().st_mtime_ns == mtime  # the data is not generated again
@@ -391,13 +398,15 @@ def test_resume_continues_from_the_last_checkpoint(
     assert json.loads((out / "metrics.json").read_text())["steps"] == 6
     with pytest.raises(ValueError, match="n_layers"):  # another draft shape cannot resume
         distill(tiny_target, out, tokenizer=byte_tokenizer, config=cfg.replace(n_layers=1, steps=8))
+    with pytest.raises(ValueError, match="architecture"):
+        distill(tiny_target, out, tokenizer=byte_tokenizer, config=cfg.replace(architecture="eagle", steps=8))
 
 
 def test_prompt_positions_and_token_id_prompts(tiny_target, tmp_path):
     """Prompts given as token ids (no chat template needed); prompt positions stored and weighted."""
     prompts = [[(7 * i + j) % 250 for j in range(5 + i)] for i in range(10)]
     out = distill(tiny_target, tmp_path / "d", prompts=prompts, steps=2, n_layers=1, init_layers=(2,),
-                  prompt_weight=0.3, **{**TINY, "heldout_fraction": 0.3})  # fmt: skip
+                  prompt_weight=0.3, architecture="layers", **{**TINY, "heldout_fraction": 0.3})  # fmt: skip
     e = load_examples(out / "data", "train")[0]
     assert e.first == 1 and len(e.topk_ids) == len(e.ids) - 1 and e.kind == "custom"
     assert load_draft(out, tiny_target).config.num_hidden_layers == 1
@@ -406,8 +415,46 @@ def test_prompt_positions_and_token_id_prompts(tiny_target, tmp_path):
 def test_time_budget_stops_cleanly_with_a_loadable_draft(tiny_target, byte_tokenizer, tmp_path):
     """A budget already spent: one training shard (always), no step, yet a checkpoint and a draft."""
     opts = {**TINY, "time_budget_s": 0.01}
-    out = distill(tiny_target, tmp_path / "d", tokenizer=byte_tokenizer, n_layers=1, **opts)
+    out = distill(
+        tiny_target, tmp_path / "d", tokenizer=byte_tokenizer, n_layers=1, architecture="layers", **opts
+    )
     assert sorted(p.name for p in (out / "data").glob("train-*.pt")) == ["train-00000.pt"]
     assert os.listdir(out / "checkpoints") == ["step-0000000.pt"]
     assert json.loads((out / "metrics.json").read_text())["steps"] == 0
     assert load_draft(out, tiny_target).config.num_hidden_layers == 1
+
+
+# ------------------------------------------------------------------------------ an EAGLE head
+@pytest.fixture(scope="module")
+def distilled_eagle(tiny_target, byte_tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle")
+    distill(tiny_target, out, tokenizer=byte_tokenizer, steps=4, draft_vocab=64, **TINY)  # the default
+    return out
+
+
+def test_eagle_head_is_distilled_saved_and_loaded(distilled_eagle, tiny_target, byte_tokenizer):
+    from safetensors import safe_open
+
+    from agentspec.drafters.eagle import is_eagle
+
+    marker = json.loads((distilled_eagle / MARKER).read_text())
+    assert marker["architecture"] == "eagle" and marker["init_layers"] == [2]  # the target's last
+    assert any(name.startswith("features-train-") for name in os.listdir(distilled_eagle / "data"))
+    with safe_open(str(distilled_eagle / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"fc.weight", "fc.bias", VOCAB_KEY} <= keys and not any(k.startswith("lm_head") for k in keys)
+    metrics = json.loads((distilled_eagle / "metrics.json").read_text())
+    assert metrics["steps"] == 4 and 0.0 <= metrics["heldout"]["top1_agreement"] <= 1.0
+    assert "EAGLE" in (distilled_eagle / "README.md").read_text()
+    head = load_draft(distilled_eagle, tiny_target)
+    assert is_eagle(head) and head.embed is tiny_target.get_input_embeddings()
+    assert isinstance(head.get_output_embeddings(), SubsetHead)
+    pair = agentspec.load_pair(tiny_target, distilled_eagle, tokenizer=byte_tokenizer, device="cpu")
+    assert is_eagle(pair.draft)
+    for text in ("What is 7 times 8?", "Write a Python function that reverses a list."):
+        ids = chat_ids(byte_tokenizer, text)
+        plain = agentspec.generate(pair, ids, speculative=False, max_new_tokens=24)
+        for drafter in ("model", "model_scheduled", "auto"):
+            spec = agentspec.generate(pair, ids, drafter=drafter, max_new_tokens=24)
+            assert spec.token_ids == plain.token_ids, f"{drafter=}"
+            assert drafter != "model" or spec.stats.draft_tokens > 0

@@ -55,6 +55,7 @@ class Example:
     topk_logp: torch.Tensor  # [L - first, k] float16
     kind: str
     greedy: bool
+    features: torch.Tensor | None = None  # [L, H] float16: the target's features (EAGLE heads only)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

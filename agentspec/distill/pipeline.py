@@ -36,9 +36,10 @@ from agentspec.distill.data import (
     data_meta,
     load_examples,
 )
+from agentspec.distill.eagle import EagleObjective, attach_features, feature_scale
 from agentspec.distill.prompts import PromptSpec, is_heldout, make_prompts, render
-from agentspec.distill.student import build_student, draft_vocab, save_draft
-from agentspec.distill.train import checkpoint_paths, evaluate, train
+from agentspec.distill.student import build_eagle, build_student, draft_vocab, save_draft
+from agentspec.distill.train import LayersObjective, checkpoint_paths, train
 
 logger = logging.getLogger(__name__)
 
@@ -179,13 +180,44 @@ def distill(
     if not train_examples:
         raise RuntimeError(f"no training data in {data_dir}")  # not reached: one shard is always made
 
-    init_layers = cfg.init_layers or default_init_layers(cfg.n_layers, model.config.num_hidden_layers)
+    vocab = None
+    n_vocab = model.get_output_embeddings().weight.shape[0]
+    if cfg.draft_vocab is not None and cfg.draft_vocab < n_vocab:
+        vocab = draft_vocab([e.ids for e in train_examples], n_vocab, cfg.draft_vocab)
+    eagle = cfg.architecture == "eagle"
+    n_target = model.config.num_hidden_layers
     torch.manual_seed(cfg.seed)
-    student = build_student(model, cfg.n_layers, init_layers)
+    if eagle:  # the target's features at every position: one more pass per example, saved
+        attach_features(model, eval_examples, data_dir, "eval", cfg.shard_prompts)
+        attach_features(model, train_examples, data_dir, "train", cfg.shard_prompts)
+        init_layers = cfg.init_layers or (n_target - 1,)
+        student = build_eagle(model, init_layers[0])
+        objective = EagleObjective(
+            student,
+            eval_examples,
+            vocab,
+            pad_id=pad_id,
+            prompt_weight=cfg.prompt_weight,
+            cls_weight=cfg.eagle_cls_weight,
+            scale=feature_scale(train_examples),
+            batch_tokens=cfg.batch_tokens,
+        )
+    else:
+        init_layers = cfg.init_layers or default_init_layers(cfg.n_layers, n_target)
+        student = build_student(model, cfg.n_layers, init_layers)
+        objective = LayersObjective(student, eval_examples, cfg, pad_id)
     state = train(
-        student, train_examples, eval_examples, cfg, ckpt_dir, pad_id=pad_id, deadline=deadline, log=log
+        student,
+        train_examples,
+        eval_examples,
+        cfg,
+        ckpt_dir,
+        pad_id=pad_id,
+        deadline=deadline,
+        log=log,
+        objective=objective,
     )
-    final = evaluate(student, eval_examples, pad_id, cfg.batch_tokens)
+    final = objective.evaluate()
     metrics = {
         "target": name,
         "heldout_before": state.initial_eval,
@@ -203,10 +235,6 @@ def distill(
         "given by the caller" if prompts is not None else f"agentspec.distill.prompts, seed {cfg.seed}"
     )
     card = model_card(name, cfg, init_layers, metrics)
-    vocab = None
-    n_vocab = student.get_output_embeddings().weight.shape[0]
-    if cfg.draft_vocab is not None and cfg.draft_vocab < n_vocab:
-        vocab = draft_vocab([e.ids for e in train_examples], n_vocab, cfg.draft_vocab)
     save_draft(
         student,
         out,
@@ -252,7 +280,8 @@ def model_card(name: str, cfg: DistillConfig, init_layers, metrics: dict) -> str
     lines = [
         f"# Distilled draft for {name}",
         "",
-        f"A {cfg.n_layers}-layer draft model for speculative decoding with agentspec, distilled from "
+        f"A {'EAGLE' if cfg.architecture == 'eagle' else str(cfg.n_layers) + '-layer'} draft for "
+        "speculative decoding with agentspec, distilled from "
         f"`{name}` on the target's own responses. It shares the target's input embeddings and LM head "
         "(not stored here): load it with the target,",
         "",
@@ -262,16 +291,28 @@ def model_card(name: str, cfg: DistillConfig, init_layers, metrics: dict) -> str
         "",
         "## Recipe",
         "",
-        f"- draft: {cfg.n_layers} decoder layers initialised from target layers {list(init_layers)}, "
-        "final norm from the target's; embeddings and LM head shared and frozen"
+        (
+            f"- draft: an EAGLE head (one decoder layer on the target's final hidden states and the "
+            f"next token's embedding, Li et al. 2024), its layer initialised from target layer "
+            f"{init_layers[0]}, its norm from the target's final norm; embeddings and LM head shared "
+            "and frozen"
+            if cfg.architecture == "eagle"
+            else f"- draft: {cfg.n_layers} decoder layers initialised from target layers "
+            f"{list(init_layers)}, final norm from the target's; embeddings and LM head shared and frozen"
+        )
         + (
             f"; when drafting, the head scores the {cfg.draft_vocab:,} ids most frequent in the data "
             "(FR-Spec)"
             if cfg.draft_vocab
             else ""
         ),
-        f"- loss: forward KL to the target's top-{cfg.top_k} distribution (renormalised)"
-        + (f" + {cfg.ce_weight} x CE on its argmax" if cfg.ce_weight else "")
+        (
+            "- loss: SmoothL1 to the target's next hidden state (in units of its std) + "
+            f"{cfg.eagle_cls_weight} x cross-entropy to the target's distribution over the head's ids"
+            if cfg.architecture == "eagle"
+            else f"- loss: forward KL to the target's top-{cfg.top_k} distribution (renormalised)"
+            + (f" + {cfg.ce_weight} x CE on its argmax" if cfg.ce_weight else "")
+        )
         + (
             f"; prompt positions weighted {cfg.prompt_weight}"
             if cfg.prompt_weight

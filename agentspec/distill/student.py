@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from agentspec.drafters.eagle import EAGLE_ARCHITECTURE, is_eagle
+
 log = logging.getLogger(__name__)
 
 MARKER = "agentspec_draft.json"
@@ -133,13 +135,41 @@ def build_student(target, n_layers: int, init_layers: tuple[int, ...]):
     return student
 
 
+def build_eagle(target, init_layer: int | None):
+    """An EAGLE head for ``target`` (``agentspec.drafters.eagle``): fc, one decoder layer, norm.
+
+    The layer starts as a copy of target layer ``init_layer`` (None: random), the norm as the
+    target's final norm, and ``fc`` as [feature, embedding] -> feature + embedding.
+    """
+    from agentspec.drafters.eagle import EagleHead, eagle_config
+
+    n_target = target.config.num_hidden_layers
+    if init_layer is not None and not 0 <= init_layer < n_target:
+        raise ValueError(f"init_layers: {init_layer} out of range for a target of {n_target} layers")
+    head = EagleHead(
+        eagle_config(target.config), target.get_input_embeddings(), target.get_output_embeddings()
+    )
+    d = head.config.hidden_size
+    with torch.no_grad():
+        if init_layer is not None:
+            head.decoder.layers[0].load_state_dict(target.model.layers[init_layer].state_dict())
+        head.decoder.norm.load_state_dict(target.model.norm.state_dict())
+        head.fc.weight.zero_()
+        head.fc.weight[:, :d].copy_(torch.eye(d))
+        head.fc.weight[:, d:].copy_(torch.eye(d))
+        head.fc.bias.zero_()
+    return head.to(device=target.device, dtype=target.dtype)
+
+
 def own_state(student) -> dict[str, torch.Tensor]:
     """The draft's own tensors: its state dict without the shared embeddings and LM head."""
-    skip = shared_keys(student)
+    skip = shared_keys(student) if not is_eagle(student) else set()  # an EAGLE head holds none
     return {k: v for k, v in student.state_dict().items() if k not in skip}
 
 
 def trainable_parameters(student) -> list[torch.nn.Parameter]:
+    if is_eagle(student):
+        return list(student.parameters())
     skip = {id(p) for p in student.get_input_embeddings().parameters()}
     skip |= {id(p) for p in student.get_output_embeddings().parameters()}
     return [p for p in student.parameters() if id(p) not in skip]
@@ -169,7 +199,7 @@ def save_draft(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    embed = student.get_input_embeddings().weight
+    embed = (student.embed if is_eagle(student) else student.get_input_embeddings()).weight
     head = student.get_output_embeddings().weight
     marker = {
         "format": FORMAT,
@@ -177,8 +207,10 @@ def save_draft(
         "shares_embeddings_with": target_name,
         "embedding_shape": list(embed.shape),
         "lm_head_shape": list(head.shape),
-        "tie_word_embeddings": bool(getattr(student.config, "tie_word_embeddings", False)),
+        "tie_word_embeddings": bool(getattr(student.config, "tie_word_embeddings", False))
+        and not is_eagle(student),
         "embedding_fingerprint": _fingerprint(embed),  # mean, std: warns on another target's
+        "architecture": EAGLE_ARCHITECTURE if is_eagle(student) else "layers",
         "num_hidden_layers": student.config.num_hidden_layers,
         "weights_dtype": "float16",
         "draft_vocab": None if vocab is None else int(vocab.numel()),
@@ -242,15 +274,23 @@ def load_draft(folder: str | Path, target):
             want_fp,
         )
     config = AutoConfig.from_pretrained(str(folder))
-    draft = AutoModelForCausalLM.from_config(config)
+    eagle = marker.get("architecture") == EAGLE_ARCHITECTURE
+    if eagle:
+        from agentspec.drafters.eagle import EagleHead
+
+        target.requires_grad_(False)
+        draft = EagleHead(config, target.get_input_embeddings(), target.get_output_embeddings())
+    else:
+        draft = AutoModelForCausalLM.from_config(config)
     state = load_file(str(folder / "model.safetensors"))
     vocab = state.pop(VOCAB_KEY, None)
     missing, unexpected = draft.load_state_dict(state, strict=False)
-    shared = shared_keys(draft)
+    shared = set() if eagle else shared_keys(draft)
     if unexpected or set(missing) - shared:
         raise ValueError(f"{folder}: model.safetensors does not fit its config: {missing=} {unexpected=}")
     draft.to(device=embed.device, dtype=embed.dtype)
-    attach_shared(draft, target)
+    if not eagle:
+        attach_shared(draft, target)
     if vocab is not None and 0 < vocab.numel() < head.shape[0]:
         if int(vocab.min()) < 0 or int(vocab.max()) >= head.shape[0]:
             raise ValueError(f"{folder}: {VOCAB_KEY} has ids outside [0, {head.shape[0]})")

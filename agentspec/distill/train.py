@@ -203,6 +203,29 @@ def evaluate(student, examples: Sequence[Example], pad_id: int, batch_tokens: in
     }
 
 
+class LayersObjective:
+    """The loss and held-out evaluation of a draft of decoder layers (``architecture="layers"``)."""
+
+    def __init__(self, student, eval_examples: Sequence[Example], cfg: DistillConfig, pad_id: int):
+        self.student, self.eval_examples, self.cfg, self.pad_id = student, eval_examples, cfg, pad_id
+
+    def loss(self, examples: Sequence[Example]) -> tuple[torch.Tensor, int]:
+        batch = collate(examples, self.pad_id, self.cfg.prompt_weight)
+        logits = student_logits(self.student, batch)
+        device = logits.device
+        loss = distill_loss(
+            logits,
+            batch.topk_ids.to(device),
+            batch.topk_logp.to(device),
+            batch.weights.to(device),
+            self.cfg.ce_weight,
+        )
+        return loss, batch.n_tokens
+
+    def evaluate(self) -> dict:
+        return evaluate(self.student, self.eval_examples, self.pad_id, self.cfg.batch_tokens)
+
+
 # -------------------------------------------------------------------------------------- the loop
 @dataclass
 class TrainState:
@@ -266,8 +289,12 @@ def train(
     pad_id: int,
     deadline: float | None = None,
     log: Callable[[str], None] = print,
+    objective=None,
 ) -> TrainState:
     """Train ``student`` on ``train_examples``; checkpoints in ``folder``; stop at ``deadline``.
+
+    ``objective`` gives each batch's loss and the held-out evaluation (``loss(examples) -> (loss,
+    tokens)``, ``evaluate() -> dict``); None: ``LayersObjective`` (an EAGLE head passes its own).
 
     With ``cfg.steps`` the total is fixed; else it is estimated from the first steps' time and the
     time left before ``deadline`` (minus one evaluation), then fixed and saved. A run that meets the
@@ -275,6 +302,8 @@ def train(
     """
     from tqdm.auto import tqdm
 
+    if objective is None:
+        objective = LayersObjective(student, eval_examples, cfg, pad_id)
     params = trainable_parameters(student)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     state = load_checkpoint(folder, student, opt, cfg) if cfg.resume else None
@@ -284,7 +313,7 @@ def train(
         state = TrainState(total_steps=cfg.steps)
         torch.manual_seed(cfg.seed)
         t0 = time.perf_counter()
-        state.initial_eval = evaluate(student, eval_examples, pad_id, cfg.batch_tokens)
+        state.initial_eval = objective.evaluate()
         state.eval_seconds = state.seconds = time.perf_counter() - t0
     if cfg.steps is not None:
         state.total_steps = cfg.steps
@@ -304,19 +333,10 @@ def train(
             break
         t0 = time.perf_counter()
         _, idx = plan.batch(state.step)
-        batch = collate([train_examples[i] for i in idx], pad_id, cfg.prompt_weight)
         lr = lr_at(state.step, state.total_steps, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
-        logits = student_logits(student, batch)
-        device = logits.device
-        loss = distill_loss(
-            logits,
-            batch.topk_ids.to(device),
-            batch.topk_logp.to(device),
-            batch.weights.to(device),
-            cfg.ce_weight,
-        )
+        loss, n_tokens = objective.loss([train_examples[i] for i in idx])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
@@ -324,7 +344,7 @@ def train(
         seconds = time.perf_counter() - t0
         state.step += 1
         state.seconds = seconds_before + time.monotonic() - t_run
-        state.tokens += batch.n_tokens
+        state.tokens += n_tokens
         interval_loss.append(loss.item())
         if first_step_done:  # the first step of a run pays one-off costs
             step_times.append(seconds)
@@ -336,9 +356,7 @@ def train(
             bar.total = state.total_steps
             log(f"{state.total_steps} steps fit in the time budget")
         bar.update(1)
-        bar.set_postfix(
-            loss=f"{interval_loss[-1]:.3f}", lr=f"{lr:.1e}", tok_s=f"{batch.n_tokens / seconds:.0f}"
-        )
+        bar.set_postfix(loss=f"{interval_loss[-1]:.3f}", lr=f"{lr:.1e}", tok_s=f"{n_tokens / seconds:.0f}")
         if state.step % cfg.checkpoint_every == 0:
             state.losses.append(sum(interval_loss) / len(interval_loss))
             interval_loss = []

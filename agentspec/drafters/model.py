@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft
+from agentspec.drafters.eagle import EagleState, is_eagle
 from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
 from agentspec.grammar import Constraint, apply_mask
 from agentspec.kv import ModelState
@@ -48,7 +49,7 @@ class ModelDrafter:
     def __init__(
         self, model, vocab_size: int, schedule: ConfidenceSchedule | None = None, name: str | None = None
     ):
-        self.state = ModelState(model)
+        self.state = EagleState(model) if is_eagle(model) else ModelState(model)
         self.vocab_size = vocab_size  # the target's logits width
         self.schedule = schedule  # None: always draft k tokens
         if schedule is not None:
@@ -79,7 +80,10 @@ class ModelDrafter:
         qs: list[torch.Tensor] = []
         for _ in range(k):
             t0 = time.perf_counter()
-            logits = fit_vocab(self.state.forward(pending, keep=1)[-1], self.vocab_size)  # [V]
+            rows = self.state.forward(pending, keep=1)
+            if not len(rows):  # an EAGLE head without the target's feature here: no draft
+                break
+            logits = fit_vocab(rows[-1], self.vocab_size)  # [V]
             if sched is not None and len(pending) == 1:
                 sched.cost.observe_draft(time.perf_counter() - t0)
             if constraint is not None:
@@ -112,6 +116,19 @@ class ModelDrafter:
             sched.keep(min(n, len(tokens)))
             tokens = tokens[:n]
         return Draft(tokens, torch.stack(qs) if qs else None)
+
+    @property
+    def uses_target_hidden(self) -> bool:
+        """An EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_hidden``."""
+        return isinstance(self.state, EagleState)
+
+    @property
+    def caches_state(self) -> bool:
+        """Is the draft's KV state saved to and restored from the prefix cache (a draft model's is)?"""
+        return isinstance(self.state, ModelState)
+
+    def observe_hidden(self, position: int, hidden: torch.Tensor) -> None:
+        self.state.observe(position, hidden)
 
     @property
     def idle(self) -> bool:

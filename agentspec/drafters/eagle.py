@@ -1,0 +1,266 @@
+"""EAGLE-style drafting: one decoder layer on the target's own last hidden states (Li et al., 2024).
+
+A draft model of its own sees only tokens, and a small one predicts the target badly (the 2-layer
+distilled draft agrees with SmolLM2-135M on about a third of held-out tokens). The target's final
+hidden state at a position already holds what the target knows there; EAGLE's head reads it:
+
+    input at position i    fc([f_{i-1}, embed(x_i)])        f: the target's final-norm output
+    one decoder layer      of the target's architecture, with its own small KV cache
+    output h_i             trained to match f_i, so the target's LM head on h_i predicts x_{i+1}
+
+The feature of the last verified position comes free with every verify pass (``decode`` reads the
+target's final norm and hands the verified rows to ``observe``). Drafting further than one token
+feeds the head its own output h in place of the feature it does not have yet; those entries are
+rolled back and fed again with the target's real features once they are verified.
+
+``EagleState`` keeps the head's cache in step with the verified sequence behind the same interface
+as ``agentspec.kv.ModelState`` (``ids``, ``sync``, ``forward``, ``truncate``, ``reset``), so the
+``ModelDrafter`` loop, its confidence schedule and ``drafter="auto"`` drive it unchanged. Positions
+whose target feature the head never saw (a prefix restored from the prefix cache, the first pass of
+a call) get no entry: the head's attention starts at the first position it has a feature for. Its
+cache is not kept in the prefix cache; the output is the target's either way.
+
+We write our own because transformers has no EAGLE drafter (its assisted generation takes a draft
+model of tokens), and vLLM's and SGLang's are bound to their own model runners.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+EAGLE_ARCHITECTURE = "eagle"
+MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
+
+
+def eagle_config(target_config):
+    """The head's decoder config: the target's, with one layer (and a one-row embedding table, unused:
+    the head takes embeddings as input)."""
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types[:1])
+    config.vocab_size = 1
+    config.tie_word_embeddings = False
+    return config
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The target's final norm: its output is the feature an EAGLE head reads."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise ValueError(
+            f"{type(model).__name__}: no final norm (model.norm) to read hidden states from; an EAGLE "
+            "draft needs a decoder-only model with one"
+        )
+    return norm
+
+
+class EagleHead(torch.nn.Module):
+    """``fc`` -> one decoder layer -> norm; scores with the target's LM head (shared, or cut to a subset).
+
+    ``embed`` and ``head`` are the target's modules (or a ``SubsetHead`` over its weights): not
+    stored with the draft.
+    """
+
+    architecture = EAGLE_ARCHITECTURE
+
+    def __init__(self, config, embed: torch.nn.Module, head: torch.nn.Module):
+        super().__init__()
+        from transformers import AutoModel
+
+        d = config.hidden_size
+        self.config = config
+        self.fc = torch.nn.Linear(2 * d, d, bias=True)
+        self.decoder = AutoModel.from_config(config)
+        self._shared = {"embed": embed, "head": head}  # not submodules: not in state_dict, not trained
+
+    @property
+    def embed(self) -> torch.nn.Module:
+        return self._shared["embed"]
+
+    @property
+    def head(self) -> torch.nn.Module:
+        return self._shared["head"]
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+    def set_output_embeddings(self, head: torch.nn.Module) -> None:
+        self._shared["head"] = head
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def hidden(self, feats, ids, cache=None, attention_mask=None) -> torch.Tensor:
+        """[B, T, d] head outputs for features ``feats`` [B, T, d] and token ids [B, T] (see module doc)."""
+        x = self.fc(torch.cat([feats.to(self.dtype), self.embed(ids).to(self.dtype)], dim=-1))
+        out = self.decoder(
+            inputs_embeds=x, attention_mask=attention_mask, cache=cache, use_cache=cache is not None
+        )
+        return out.last_hidden_state
+
+    def forward(self, feats, ids, cache=None, attention_mask=None) -> torch.Tensor:
+        return self.head(self.hidden(feats, ids, cache, attention_mask))
+
+
+def is_eagle(model) -> bool:
+    return getattr(model, "architecture", None) == EAGLE_ARCHITECTURE
+
+
+class EagleState:
+    """An ``EagleHead``'s KV cache and the ids it covers, fed the target's features (see module doc).
+
+    ``ids`` covers positions ``[0, len(ids))``; the cache holds entries for ``[base, len(ids))``.
+    Entries ``[base, real)`` were fed the target's features and stay valid; later ones (drafted
+    tokens) were fed the head's own output and are rolled back at the next ``sync``.
+    """
+
+    def __init__(self, model: EagleHead):
+        self.model = model
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.decoder.config)
+        self.ids: list[int] = []
+        self.base = 0
+        self.real = 0
+        self.last: torch.Tensor | None = None  # [d]: the head's output at the last entry
+        self._feats: list[torch.Tensor] = []  # target features of positions [feat_pos, feat_end)
+        self.feat_pos = 0
+        self.seen = False  # any feature observed in this call
+
+    @property
+    def feat_end(self) -> int:
+        return self.feat_pos + sum(len(f) for f in self._feats)
+
+    def check(self) -> None:
+        n = self.cache.get_seq_length()
+        assert n == len(self.ids) - self.base, f"EAGLE cache out of step: {n=} {len(self.ids)=} {self.base=}"
+        assert self.base <= self.real <= len(self.ids), (self.base, self.real, len(self.ids))
+
+    def observe(self, pos: int, hidden: torch.Tensor) -> None:
+        """The target's verified features at positions ``[pos, pos + len(hidden))``."""
+        if not len(hidden):
+            return
+        self.seen = True
+        hidden = hidden.detach()
+        if pos != self.feat_end or not self._feats:
+            self._feats, self.feat_pos = [hidden], pos
+        else:
+            self._feats.append(hidden)
+        extra = self.feat_end - self.feat_pos - MAX_PENDING_FEATURES
+        if extra > 0:  # keep the newest: the head then restarts where its features do
+            kept = torch.cat(self._feats)[extra:]
+            self._feats, self.feat_pos = [kept], self.feat_pos + extra
+
+    def _take(self, start: int, end: int) -> torch.Tensor:
+        """Features of positions [start, end); those before ``end`` are dropped (fed for good)."""
+        feats = torch.cat(self._feats) if len(self._feats) > 1 else self._feats[0]
+        out = feats[start - self.feat_pos : end - self.feat_pos]
+        self._feats, self.feat_pos = [feats[end - self.feat_pos :]], end
+        return out
+
+    def truncate(self, length: int) -> None:
+        """Keep the entries of ``ids[:length]`` (the target's features are ``sync``'s business)."""
+        extra = len(self.ids) - length
+        if extra > 0:
+            if length <= self.base:
+                self.reset_cache(length)
+                del self.ids[length:]
+            else:
+                self.cache.crop(-extra)
+                del self.ids[length:]
+                self.real = min(self.real, length)
+                self.last = None  # the output before the cut is not kept: chaining needs a new pass
+        self.check()
+
+    def reset_cache(self, base: int) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.decoder.config)
+        self.base = self.real = base
+        self.last = None
+
+    def sync(self, seq: list[int]) -> list[int]:
+        """Roll back to the verified entries ``seq`` still starts with; return the ids to feed.
+
+        Drafted entries are always rolled back (they read the head's own outputs). The target's
+        features describe the verified sequence, which only grows within a call: a ``seq`` that
+        differs inside it is another sequence, and its features are dropped with it.
+        """
+        from agentspec.kv import common_prefix_len
+
+        common = common_prefix_len(self.ids, seq)
+        if common < self.real:
+            self._feats, self.feat_pos, self.seen = [], 0, False
+        self.truncate(min(common, self.real))
+        return seq[len(self.ids) :]
+
+    @torch.inference_mode()
+    def forward(self, new_ids: list[int], keep: int) -> torch.Tensor:
+        """Feed ``new_ids``; return the logits of the last ``keep`` of them [keep, V], or [0, V] when
+        the last one could not be fed.
+
+        A token whose previous position has a target feature is fed with it (in one batch); one past
+        the verified positions is fed the head's last output (drafting); one whose previous feature
+        this call never had gets no entry (the head's attention restarts after it). Tokens that can
+        wait for their feature (before the first verify pass, or with nothing to chain from) are
+        left out of ``ids``: the next ``sync`` returns them again.
+        """
+        assert new_ids, "forward needs at least one new token"
+        outs: list[torch.Tensor] = []
+        i, n = 0, len(new_ids)
+        fed_last = False
+        while i < n and self.seen:  # before the call's first verify pass: nothing to read yet
+            pos = len(self.ids)  # of new_ids[i]
+            has_feature = pos == 0 or self.feat_pos <= pos - 1 < self.feat_end
+            if has_feature and self.real == pos:
+                end = min(n, i + self.feat_end - (pos - 1))  # tokens with a real feature before them
+                if pos == 0:
+                    end = min(n, i + 1)
+                feats = self._zero_row() if pos == 0 else self._take(pos - 1, pos - 1 + end - i)
+                outs.append(self._feed(feats, new_ids[i:end]))
+                self.real = len(self.ids)
+                i, fed_last = end, True
+            elif pos - 1 >= self.feat_end:  # past the verified positions: a draft
+                if self.last is None or len(self.ids) == self.base:
+                    break  # nothing to chain from: fed once the target has verified it
+                outs.append(self._feed(self.last[None], new_ids[i : i + 1]))  # the head's own output
+                i, fed_last = i + 1, True
+            else:  # a feature this call never had (a restored prefix): no entry, restart after it
+                if len(self.ids) > self.base:
+                    self.reset_cache(len(self.ids))
+                self.ids.append(new_ids[i])
+                self.base = self.real = len(self.ids)
+                i, fed_last = i + 1, False
+        self.check()
+        if not fed_last:  # the last token has no entry: nothing to predict from
+            return torch.zeros((0, 1))
+        hidden = torch.cat(outs)[-keep:]
+        return self.model.head(hidden)
+
+    def _zero_row(self) -> torch.Tensor:
+        return torch.zeros(
+            (1, self.model.config.hidden_size), device=self.model.device, dtype=self.model.dtype
+        )
+
+    def _feed(self, feats: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
+        try:
+            h = self.model.hidden(feats[None].to(self.model.device), x, cache=self.cache)[0]
+        except BaseException:
+            self.reset()
+            raise
+        self.ids.extend(ids)
+        self.last = h[-1]
+        return h

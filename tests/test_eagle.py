@@ -1,0 +1,161 @@
+"""EAGLE heads (``agentspec.drafters.eagle``): the state kept in step with the target, lossless decoding.
+
+A random tiny target and an untrained head: acceptance does not matter here, only that every
+path (features fed in batches, drafts chained on the head's own outputs, roll-back, positions
+without a feature, the prefix cache, a failing head) leaves the output the target's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import agentspec
+from agentspec import ModelPair
+from agentspec.distill.data import Example
+from agentspec.distill.eagle import collate_eagle, eagle_loss
+from agentspec.distill.student import build_eagle
+from agentspec.drafters import ModelDrafter
+from agentspec.drafters.eagle import EagleState, final_norm, is_eagle
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def etarget(tiny_llama):
+    return tiny_llama(3, vocab_size=64, hidden=32, layers=2, max_positions=512, logit_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def head(etarget):
+    torch.manual_seed(0)
+    return build_eagle(etarget, 1).eval()
+
+
+@pytest.fixture()
+def epair(etarget, head, fake_tokenizer):
+    from agentspec.cache import PrefixCache
+
+    cache = PrefixCache(64 << 20)
+    return ModelPair(
+        target=etarget, draft=head, tokenizer=fake_tokenizer(64), name="tiny-eagle", prefix_cache=cache
+    )
+
+
+def features(model, ids):
+    captured = []
+    hook = final_norm(model).register_forward_hook(lambda _m, _i, out: captured.append(out))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]))
+    hook.remove()
+    return captured[-1][0]
+
+
+def test_head_is_recognised_and_shares_the_targets_tensors(head, etarget):
+    assert is_eagle(head) and not is_eagle(etarget)
+    assert head.embed is etarget.get_input_embeddings()
+    assert head.get_output_embeddings() is etarget.get_output_embeddings()
+    # the shared modules are not the head's own: neither stored nor trained
+    assert not any("embed" in k and k.startswith("embed") for k in head.state_dict())
+    assert all(p.data_ptr() != etarget.lm_head.weight.data_ptr() for p in head.parameters())
+
+
+def test_state_matches_a_full_pass_and_rolls_back_drafted_entries(head, etarget):
+    """Entries fed in pieces (features in batches, chained drafts, roll-back) equal one full pass."""
+    ids = [5, 9, 2, 33, 7, 41, 12, 8, 19, 3]
+    f = features(etarget, ids)
+    ref = head.hidden(torch.cat([torch.zeros(1, 32), f[:-1]])[None], torch.tensor([ids]))[0]
+    state = EagleState(head)
+    state.observe(0, f[:6])
+    rows = state.forward(ids[:7], keep=1)  # x_0..x_6 read f_-1 (zero) .. f_5: all real
+    assert state.real == 7 and len(state.ids) == 7 and state.cache.get_seq_length() == 7
+    assert torch.allclose(rows[-1], head.head(ref[6]), atol=1e-5)
+    # drafting: x_7 has no verified feature f_6 yet, so it is fed the head's own output
+    state.forward([ids[7]], keep=1)
+    assert state.real == 7 and len(state.ids) == 8
+    # verified now: sync rolls the drafted entry back, the real feature replaces it
+    state.observe(6, f[6:9])
+    pending = state.sync(ids[:9])
+    assert pending == ids[7:9] and state.cache.get_seq_length() == 7
+    rows = state.forward(pending + ids[9:], keep=3)
+    assert torch.allclose(rows, head.head(ref[7:10]), atol=1e-5)
+    state.check()
+
+
+def test_positions_without_a_feature_get_no_entry(head, etarget):
+    """A restored prefix: the head starts at the first position whose previous feature it saw."""
+    ids = list(range(3, 23))
+    f = features(etarget, ids)
+    state = EagleState(head)
+    assert len(state.forward(ids[:12], keep=1)) == 0 and state.ids == []  # no feature yet: deferred
+    state.observe(11, f[11:15])  # a prefix of 11 restored, the first pass fed positions 11..14
+    rows = state.forward(state.sync(ids[:16]), keep=1)  # x_0..x_11: no entry; x_12..x_15 read f_11..f_14
+    assert (state.base, state.cache.get_seq_length(), len(state.ids)) == (12, 4, 16) and len(rows) == 1
+    assert len(state.forward([ids[16]], keep=1)) == 1  # past the verified positions: chained
+    assert (state.real, state.cache.get_seq_length()) == (16, 5)
+    # a gap in the features restarts the head's attention where they resume
+    state.observe(18, f[18:19])
+    assert state.sync(ids[:20]) == ids[16:20]
+    assert len(state.forward(ids[16:20], keep=1)) == 1
+    assert (state.base, state.cache.get_seq_length()) == (19, 1)
+
+
+@pytest.mark.parametrize("drafter", ["model", "model_scheduled", "auto"])
+def test_greedy_decoding_with_an_eagle_head_is_lossless(epair, drafter):
+    for prompt in ([1, 5, 9, 2, 33, 7], [4, 4, 4, 8, 8, 8, 15, 16, 23, 42] * 3):
+        plain = agentspec.generate(epair, prompt, speculative=False, max_new_tokens=40, prefix_cache=False)
+        spec = agentspec.generate(epair, prompt, drafter=drafter, max_new_tokens=40, prefix_cache=False)
+        assert spec.token_ids == plain.token_ids, drafter
+        if drafter == "model":
+            assert spec.stats.draft_tokens > 0  # the head drafted (from the second pass on)
+
+
+def test_prefix_cache_restores_the_target_and_the_head_starts_after_it(epair):
+    prompt = [7, 3, 11, 2, 9, 30, 31, 5, 8, 13] * 4
+    plain = agentspec.generate(epair, prompt, speculative=False, max_new_tokens=30, prefix_cache=False)
+    cold = agentspec.generate(epair, prompt, drafter="model", max_new_tokens=30)
+    warm = agentspec.generate(epair, prompt, drafter="model", max_new_tokens=30)
+    assert cold.token_ids == warm.token_ids == plain.token_ids
+    assert warm.stats.cached_tokens > 0 and warm.stats.draft_tokens > 0
+
+
+def test_drafter_tracks_the_target_features_through_decode(epair):
+    drafter = ModelDrafter(epair.draft, vocab_size=64)
+    assert drafter.uses_target_hidden and not drafter.caches_state
+    agentspec.generate(epair, [1, 2, 3, 4, 5], drafter=drafter, max_new_tokens=12, prefix_cache=False)
+    state = drafter.state
+    assert state.real >= 10 and state.feat_end >= 16  # 5 prompt + 12 new - the pending last token
+
+
+def test_a_failing_head_falls_back_to_the_target(epair, monkeypatch):
+    plain = agentspec.generate(
+        epair, [3, 1, 4, 1, 5], speculative=False, max_new_tokens=16, prefix_cache=False
+    )
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("head exploded")
+
+    monkeypatch.setattr(EagleState, "observe", broken)
+    spec = agentspec.generate(epair, [3, 1, 4, 1, 5], drafter="model", max_new_tokens=16, prefix_cache=False)
+    assert spec.token_ids == plain.token_ids and spec.stats.draft_failures == 1
+
+
+def test_collate_and_loss_follow_the_heads_indexing():
+    f = torch.arange(12, dtype=torch.float16).view(4, 3)
+    e = Example(torch.tensor([5, 6, 7, 8]), start=2, first=1, topk_ids=torch.zeros(3, 1),
+                topk_logp=torch.zeros(3, 1), kind="chat", greedy=True, features=f)  # fmt: skip
+    b = collate_eagle([e], pad_id=0, prompt_weight=0.5)
+    assert torch.equal(b.inputs[0, 0], torch.zeros(3)) and torch.equal(b.inputs[0, 1:], f[:3].float())
+    assert torch.equal(b.targets[0], f.float())
+    # h_p predicts token p + 1: p = 0 a prompt token (0.5), p >= 1 the response; p = 3 predicts nothing
+    assert b.weights[0].tolist() == [0.5, 1.0, 1.0, 1.0]
+    assert b.response[0].tolist() == [False, True, True, False]
+    rows = torch.randn(5, 3)
+    target = torch.randn(4, 3)
+    w = torch.ones(4)
+    zero_reg = eagle_loss(target, target, rows, w, scale=1.0, cls_weight=0.0)
+    assert zero_reg.item() == pytest.approx(0.0, abs=1e-7)
+    # cross-entropy part at h = f: the entropy of softmax(W f)
+    p = torch.softmax(target @ rows.T, -1)
+    want = -(p * p.log()).sum(-1).mean()
+    assert eagle_loss(target, target, rows, w, 1.0, 1.0).item() == pytest.approx(want.item(), rel=1e-5)
