@@ -53,6 +53,7 @@ from bench_core import environment, verify_cost  # noqa: E402
 import agentspec  # noqa: E402
 from agentspec.distill.prompts import is_heldout, make_prompts, render  # noqa: E402
 from agentspec.drafters import DraftMemory, HybridDrafter  # noqa: E402
+from agentspec.drafters.eagle import is_eagle  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_REUSE = {"prefix_cache": False}  # every call prefills its prompt: decoding alone is compared
@@ -120,30 +121,47 @@ def _rates(rows: list[dict], by_kind: bool = True) -> dict[str, dict]:
 
 
 def step_costs(pair, ids: list[int], repeats: int) -> dict[str, float]:
-    """Median ms of one decode step after ``len(ids)`` cached tokens: target, draft, draft full head."""
+    """Median ms of one decode step after ``len(ids)`` cached tokens: target, draft, draft full head.
+
+    An EAGLE head's step is its own (one token and the target's feature in, its LM head out): the
+    feature comes free with the target's verify pass.
+    """
     from transformers import DynamicCache
 
-    models = {"target": pair.target, "draft": pair.draft}
+    eagle = is_eagle(pair.draft)
     full = pair.target.get_output_embeddings()
     cut = pair.draft.get_output_embeddings()
-    caches = {}
     x = torch.tensor([ids], device=pair.device)
+    one = torch.tensor([[ids[-1]]], device=pair.device)
     with torch.inference_mode():
-        for name, m in models.items():
-            caches[name] = DynamicCache()
-            m(input_ids=x, past_key_values=caches[name], use_cache=True)
-        one = torch.tensor([[ids[-1]]], device=pair.device)
+        caches = {"target": DynamicCache()}
+        pair.target(input_ids=x, past_key_values=caches["target"], use_cache=True)
+        if eagle:
+            caches["draft"] = DynamicCache(config=pair.draft.decoder.config)
+            feats = torch.zeros((1, len(ids), pair.draft.config.hidden_size), dtype=pair.dtype)
+            pair.draft.hidden(feats, x, caches["draft"])
+        else:
+            caches["draft"] = DynamicCache()
+            pair.draft(input_ids=x, past_key_values=caches["draft"], use_cache=True)
+
+        def draft_step() -> None:
+            if eagle:
+                pair.draft(feats[:, -1:], one, caches["draft"])
+            else:
+                pair.draft(input_ids=one, past_key_values=caches["draft"], use_cache=True)
+
         times: dict[str, list[float]] = {"target": [], "draft": [], "draft_full_head": []}
         for _ in range(repeats):
             for name in times:
-                m = pair.target if name == "target" else pair.draft
-                cache = caches["target" if name == "target" else "draft"]
                 if name == "draft_full_head":
                     pair.draft.set_output_embeddings(full)
                 t = time.perf_counter()
-                m(input_ids=one, past_key_values=cache, use_cache=True)
+                if name == "target":
+                    pair.target(input_ids=one, past_key_values=caches["target"], use_cache=True)
+                else:
+                    draft_step()
                 times[name].append(time.perf_counter() - t)
-                cache.crop(-1)
+                caches["target" if name == "target" else "draft"].crop(-1)
                 pair.draft.set_output_embeddings(cut)
     ms = {name: 1e3 * statistics.median(v) for name, v in times.items()}
     return {

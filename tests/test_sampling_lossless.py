@@ -46,6 +46,17 @@ def spair(one_thread, tiny_llama, perturbed, fake_tokenizer) -> ModelPair:
 
 
 @pytest.fixture(scope="module")
+def epair(spair) -> ModelPair:
+    """The same target with an EAGLE head (untrained: its q still differs from p, both paths run)."""
+    from agentspec.distill.student import build_eagle
+
+    torch.manual_seed(2)
+    return ModelPair(
+        target=spair.target, draft=build_eagle(spair.target, 0).eval(), tokenizer=spair.tokenizer
+    )
+
+
+@pytest.fixture(scope="module")
 def prompts(spair, hf_greedy) -> dict[str, list[int]]:
     base = [3, 9, 4, 1, 12, 7]
     # prompt lookup drafts only what the context holds: the target's own greedy continuation
@@ -147,6 +158,15 @@ CONFIGS = [  # (drafter, temperature, top_p)
 )
 def test_speculative_sampling_is_lossless(spair, prompts, drafter, temperature, top_p, n):
     print(check_lossless(spair, prompts[drafter], drafter, n, temperature, top_p))
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "n"),
+    [(0.9, None, N_DEFAULT), pytest.param(1.3, 0.8, N_SLOW, marks=pytest.mark.slow)],
+)
+def test_speculative_sampling_with_an_eagle_head_is_lossless(epair, prompts, temperature, top_p, n):
+    """The head drafts from the second pass on, chaining its own outputs, with the target's features."""
+    print(check_lossless(epair, prompts["model"], "model", n, temperature, top_p))
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from agentspec.bench.workloads import _CODE, _SEARCH, _WEATHER
+from agentspec.drafters.eagle import is_eagle
 from agentspec.kv import ModelState
 
 
@@ -66,6 +67,35 @@ def bytes_per_step(model, shared_with=None) -> int:
     return sum(seen.values())
 
 
+def eagle_bytes_per_step(head) -> int:
+    """Bytes an EAGLE head's step reads: its own weights and the LM-head rows it scores (one
+    embedding row aside); the target's feature comes with the verify pass."""
+    head_weight = head.get_output_embeddings().weight
+    own = sum(t.numel() * t.element_size() for t in head.parameters())
+    return own + head_weight.numel() * head_weight.element_size()
+
+
+def eagle_step_ms(head, cache_len: int, repeats: int) -> list[float]:
+    """Times (ms) of one EAGLE head step (one token, its LM head) after ``cache_len`` cached entries."""
+    from transformers import DynamicCache
+
+    d = head.config.hidden_size
+    feats = torch.zeros((1, cache_len + 1, d), device=head.device, dtype=head.dtype)
+    ids = torch.arange(cache_len + 1, device=head.device)[None] % 1000
+    cache = DynamicCache(config=head.decoder.config)
+    times = []
+    with torch.inference_mode():
+        head.hidden(feats[:, :cache_len], ids[:, :cache_len], cache)
+        for r in range(repeats + 1):  # round 0 warms up and is dropped
+            t0 = time.perf_counter()
+            head(feats[:, -1:], ids[:, -1:], cache)
+            synchronize(head.device)
+            if r:
+                times.append((time.perf_counter() - t0) * 1e3)
+            cache.crop(cache_len)
+    return times
+
+
 def verify_cost(model, tokenizer, sizes: list[int], cache_len: int, repeats: int) -> dict[str, Any]:
     """Median time of one forward pass over k new tokens after a cache_len-token cache, per k."""
     text = (_WEATHER + _CODE + _SEARCH) * 4
@@ -110,8 +140,15 @@ def roofline(pair, sizes: list[int], repeats: int, cache_len: int = 300) -> dict
     if pair.draft is not None:
         models["draft"] = (pair.draft, pair.target, [1])
     for name, (model, shared, ks) in models.items():
-        n_bytes = bytes_per_step(model, shared)
-        curve = verify_cost(model, pair.tokenizer, ks, cache_len, repeats)
+        if is_eagle(model):
+            n_bytes = eagle_bytes_per_step(model)
+            times = eagle_step_ms(model, cache_len, repeats)
+            point = {"new_tokens": 1, "median_ms": statistics.median(times), "min_ms": min(times),
+                     "max_ms": max(times), "ratio_to_1": 1.0}  # fmt: skip
+            curve = {"cache_tokens": cache_len, "repeats": repeats, "points": [point]}
+        else:
+            n_bytes = bytes_per_step(model, shared)
+            curve = verify_cost(model, pair.tokenizer, ks, cache_len, repeats)
         bound_ms = n_bytes / (bw["median_gb_s"] * 1e9) * 1e3
         step_ms = curve["points"][0]["median_ms"]
         out["models"][name] = {

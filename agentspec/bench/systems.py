@@ -23,6 +23,7 @@ import torch
 import agentspec
 from agentspec.bench.roofline import synchronize
 from agentspec.drafters import DraftMemory, build_drafter
+from agentspec.drafters.eagle import is_eagle
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 AGENTSPEC_DRAFTERS = ("none", "prompt_lookup", "suffix", "model", "model_scheduled", "auto")
@@ -44,7 +45,7 @@ class Call:
 
 def single_call_systems(pair) -> list[str]:
     names = ["transformers generate", "transformers prompt lookup"]
-    if pair.draft is not None:
+    if pair.draft is not None and not is_eagle(pair.draft):  # assisted generation takes a token model
         names.insert(1, "transformers assisted")
     drafters = [
         d for d in AGENTSPEC_DRAFTERS if pair.draft is not None or d not in ("model", "model_scheduled")

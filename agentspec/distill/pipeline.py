@@ -188,8 +188,13 @@ def distill(
     n_target = model.config.num_hidden_layers
     torch.manual_seed(cfg.seed)
     if eagle:  # the target's features at every position: one more pass per example, saved
-        attach_features(model, eval_examples, data_dir, "eval", cfg.shard_prompts)
-        attach_features(model, train_examples, data_dir, "train", cfg.shard_prompts)
+        from tqdm.auto import tqdm
+
+        n_examples = len(eval_examples) + len(train_examples)
+        bar = tqdm(total=n_examples, disable=not cfg.progress, desc="features", unit="prompt")
+        attach_features(model, eval_examples, data_dir, "eval", cfg.shard_prompts, on_shard=bar.update)
+        attach_features(model, train_examples, data_dir, "train", cfg.shard_prompts, on_shard=bar.update)
+        bar.close()
         init_layers = cfg.init_layers or (n_target - 1,)
         student = build_eagle(model, init_layers[0])
         objective = EagleObjective(
