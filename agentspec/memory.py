@@ -66,7 +66,8 @@ def forward_retrying(
         failure = exc
 
     def attempt():
-        return state.forward(state.sync(covered) + new_ids, keep, hidden)
+        out = state.forward(state.sync(covered) + new_ids, keep, hidden)
+        return (out[0], out[1][-len(new_ids) :]) if hidden else out  # hidden rows: new_ids' only
 
     def free_all(attempt_number: int) -> None:
         log.warning(
