@@ -146,8 +146,9 @@ class EagleObjective:
         noise: float = FEATURE_NOISE,
     ):
         self.head, self.eval_examples = head, eval_examples
-        weight = head.get_output_embeddings().weight
-        self.rows = weight.detach() if vocab is None else weight.detach()[vocab.to(weight.device)]
+        weight = head.get_output_embeddings().weight  # the target's full LM head while training
+        self.full = weight.detach()
+        self.rows = self.full if vocab is None else self.full[vocab.to(weight.device)]
         self.pad_id, self.prompt_weight, self.cls_weight = pad_id, prompt_weight, cls_weight
         self.scale, self.batch_tokens, self.noise = scale, batch_tokens, noise
 
@@ -182,8 +183,7 @@ class EagleObjective:
             return {}
         was_training = self.head.training
         self.head.eval()
-        head = self.head.get_output_embeddings()
-        full = head.weight if not hasattr(head, "ids") else None  # SubsetHead: score the full rows
+        weight = self.full.float()
         agree_n = total_n = runs_sum = 0
         by_kind: dict[str, list[int]] = {}
         for idx in make_batches([len(e.ids) for e in self.eval_examples], self.batch_tokens, seed=0):
@@ -193,11 +193,10 @@ class EagleObjective:
             h = self.head.hidden(
                 batch.inputs.to(device), batch.ids.to(device), attention_mask=batch.attention_mask.to(device)
             )
-            weight = full if full is not None else self.head.embed.weight
             for r, e in enumerate(group):
                 sel = batch.response[r].to(device)
-                pred = (h[r][sel].float() @ weight.float().T).argmax(-1)
-                want = (batch.targets[r][sel.cpu()].to(device).float() @ weight.float().T).argmax(-1)
+                pred = (h[r][sel].float() @ weight.T).argmax(-1)
+                want = (batch.targets[r][sel.cpu()].to(device).float() @ weight.T).argmax(-1)
                 agree = (pred == want).cpu()
                 agree_n += int(agree.sum())
                 total_n += len(agree)
