@@ -42,7 +42,7 @@ def eagle_config(target_config):
     if getattr(config, "layer_types", None):
         config.layer_types = list(config.layer_types[:1])
     config.vocab_size = 1
-    config.pad_token_id = None  # a padding row would not fit the one-row table
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # ids outside the one row
     config.tie_word_embeddings = False
     return config
 
