@@ -70,6 +70,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     given = {
         "architecture": args.architecture,
         "n_layers": args.layers,
+        "eagle_unroll": args.eagle_unroll,
         "init_layers": args.init_layers,
         "n_prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
@@ -140,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         "--architecture",
         choices=("eagle", "layers"),
         help="eagle: one layer on the target's hidden states (default); layers: a small model of tokens",
+    )
+    d.add_argument(
+        "--eagle-unroll",
+        type=int,
+        choices=(1, 2),
+        help="eagle: 2 also trains a chained step on the head's own output (default 1)",
     )
     d.add_argument("--layers", type=int, help="layers architecture: decoder layers of the draft (default 2)")
     d.add_argument(

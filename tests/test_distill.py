@@ -458,3 +458,13 @@ def test_eagle_head_is_distilled_saved_and_loaded(distilled_eagle, tiny_target, 
             spec = agentspec.generate(pair, ids, drafter=drafter, max_new_tokens=24)
             assert spec.token_ids == plain.token_ids, f"{drafter=}"
             assert drafter != "model" or spec.stats.draft_tokens > 0
+
+
+def test_eagle_unrolled_training_runs_and_reports_the_chained_agreement(
+    tiny_target, byte_tokenizer, tmp_path
+):
+    out = distill(tiny_target, tmp_path / "e2", tokenizer=byte_tokenizer, steps=2, eagle_unroll=2, **TINY)
+    held = json.loads((out / "metrics.json").read_text())["heldout"]
+    assert 0.0 <= held["chained_agreement"] <= 1.0 and 0.0 <= held["top1_agreement"] <= 1.0
+    with pytest.raises(ValueError, match="eagle_unroll"):
+        DistillConfig(eagle_unroll=3)

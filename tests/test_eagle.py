@@ -159,3 +159,29 @@ def test_collate_and_loss_follow_the_heads_indexing():
     p = torch.softmax(target @ rows.T, -1)
     want = -(p * p.log()).sum(-1).mean()
     assert eagle_loss(target, target, rows, w, 1.0, 1.0).item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_the_chained_training_pass_is_what_drafting_computes(head, etarget):
+    """Unrolled training (eagle_unroll=2) scores the second draft token exactly as EagleState drafts it."""
+    from transformers import DynamicCache
+
+    from agentspec.distill.eagle import chained_hidden
+
+    ids = [5, 9, 2, 33, 7, 41, 12, 8, 19, 3]
+    f = features(etarget, ids)
+    e = Example(torch.tensor(ids), start=3, first=1, topk_ids=torch.zeros(9, 1), topk_logp=torch.zeros(9, 1),
+                kind="chat", greedy=True, features=f.half().float())  # fmt: skip
+    b = collate_eagle([e, Example(**{**e.__dict__, "ids": e.ids[:7], "features": e.features[:7]})], 0, 1.0)
+    with torch.no_grad():
+        cache = DynamicCache(config=head.decoder.config)
+        first = head.hidden(b.inputs, b.ids, cache=cache, attention_mask=b.attention_mask)
+        chained = chained_hidden(head, first, b.ids, b.attention_mask, cache)
+    for p in (2, 4, 9):
+        state = EagleState(head)
+        state.observe(0, e.features[: p - 1])
+        state.forward(ids[:p], keep=1)  # entries 0..p-1 read the target's features
+        assert state.real == p
+        rows = state.forward([ids[p]], keep=1)  # entry p: the head's own output at p - 1
+        assert torch.allclose(rows[-1], head.head(chained[0, p]), atol=1e-4), p
+        if p < 7:  # the padded row of the batch gives the same
+            assert torch.allclose(chained[1, p], chained[0, p], atol=1e-4), p

@@ -129,6 +129,39 @@ def eagle_loss(
     return (per_pos * weights).sum() / weights.sum().clamp_min(1e-8)
 
 
+def chained_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, T, 2T] additive mask for the chained entries, as drafting sees them.
+
+    Keys: the T entries of the first pass (the target's features), then the T chained entries.
+    Chained entry p (input: the head's own output at p - 1 and token x_p) attends to the first
+    pass's entries before p and to itself, like a second draft token after the verified context.
+    """
+    b, t = attention_mask.shape
+    i = torch.arange(t)[:, None]
+    j = torch.arange(2 * t)[None, :]
+    allowed = ((j < t) & (j < i)) | (j == t + i)  # [T, 2T]
+    valid = torch.cat([attention_mask, attention_mask], dim=1).bool()  # padded keys never
+    allowed = allowed[None] & valid[:, None, :]  # [B, T, 2T]
+    mask = torch.zeros((b, 1, t, 2 * t), dtype=dtype)
+    return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+
+def chained_hidden(head, first: torch.Tensor, ids: torch.Tensor, attention_mask: torch.Tensor, cache):
+    """Outputs of the chained entries (see ``chained_mask``) over ``cache``, the first pass's keys.
+
+    ``first`` [B, T, H]: the first pass's outputs; chained entry p reads first[:, p - 1] (zero at 0).
+    """
+    shifted = torch.cat([torch.zeros_like(first[:, :1]), first[:, :-1]], dim=1)
+    t = ids.shape[1]
+    x = head.fc(torch.cat([shifted, head.embed(ids).to(head.dtype)], dim=-1))
+    mask = chained_mask(attention_mask.cpu(), head.dtype).to(head.device)
+    positions = torch.arange(t, device=head.device)[None].expand(ids.shape[0], -1)
+    out = head.decoder(
+        inputs_embeds=x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+    )
+    return out.last_hidden_state
+
+
 class EagleObjective:
     """The loss and held-out evaluation of an EAGLE head (``architecture="eagle"``)."""
 
@@ -144,6 +177,7 @@ class EagleObjective:
         scale: float,
         batch_tokens: int,
         noise: float = FEATURE_NOISE,
+        unroll: int = 1,
     ):
         self.head, self.eval_examples = head, eval_examples
         weight = head.get_output_embeddings().weight  # the target's full LM head while training
@@ -151,24 +185,42 @@ class EagleObjective:
         self.rows = self.full if vocab is None else self.full[vocab.to(weight.device)]
         self.pad_id, self.prompt_weight, self.cls_weight = pad_id, prompt_weight, cls_weight
         self.scale, self.batch_tokens, self.noise = scale, batch_tokens, noise
+        if unroll not in (1, 2):
+            raise ValueError(f"eagle_unroll: 1 or 2, got {unroll!r}")
+        self.unroll = unroll
 
-    def loss(self, examples: Sequence[Example]) -> tuple[torch.Tensor, int]:
-        batch = collate_eagle(examples, self.pad_id, self.prompt_weight)
+    def _passes(self, batch: EagleBatch, noise: float) -> list[torch.Tensor]:
+        """The head's outputs [B, T, H]: from the target's features, then (unroll 2) chained."""
+        from transformers import DynamicCache
+
         device = self.head.device
         inputs = batch.inputs
-        if self.noise:
-            inputs = inputs + (torch.rand_like(inputs) - 0.5) * (2 * self.noise * self.scale)
-        h = self.head.hidden(
-            inputs.to(device), batch.ids.to(device), attention_mask=batch.attention_mask.to(device)
-        )
+        if noise:
+            inputs = inputs + (torch.rand_like(inputs) - 0.5) * (2 * noise * self.scale)
+        mask = batch.attention_mask.to(device)
+        ids = batch.ids.to(device)
+        cache = DynamicCache(config=self.head.decoder.config) if self.unroll > 1 else None
+        h = self.head.hidden(inputs.to(device), ids, cache=cache, attention_mask=mask)
+        if self.unroll == 1:
+            return [h]
+        return [h, chained_hidden(self.head, h, ids, batch.attention_mask, cache)]
+
+    def loss(self, examples: Sequence[Example]) -> tuple[torch.Tensor, int]:
+        """The loss of every pass (the chained one too, with ``unroll=2``: EAGLE-3's training-time
+        test, so the head learns to draft from its own outputs), summed."""
+        batch = collate_eagle(examples, self.pad_id, self.prompt_weight)
+        device = self.head.device
         keep = batch.weights > 0
-        loss = eagle_loss(
-            h[keep.to(device)],
-            batch.targets[keep].to(device),
-            self.rows,
-            batch.weights[keep].to(device),
-            self.scale,
-            self.cls_weight,
+        loss = sum(
+            eagle_loss(
+                h[keep.to(device)],
+                batch.targets[keep].to(device),
+                self.rows,
+                batch.weights[keep].to(device),
+                self.scale,
+                self.cls_weight,
+            )
+            for h in self._passes(batch, self.noise)
         )
         return loss, batch.n_tokens
 
@@ -176,37 +228,47 @@ class EagleObjective:
     def evaluate(self, k: int = 4) -> dict:
         """Held-out, teacher-forced agreement of the head's argmax (full LM head) with the target's.
 
-        This is the first draft token's acceptance (greedy); ``mean_accepted_k4`` counts runs of
-        agreement from real features, an upper bound for drafts that chain the head's own outputs.
+        ``top1_agreement`` is the first draft token's acceptance (greedy). ``chained_agreement`` is
+        the second's once the first was right: the chained entry reads the head's own output, as
+        in drafting. ``mean_accepted_k4`` counts runs of first-pass agreement (real features at
+        every step), an upper bound for drafts that chain the head's own outputs.
         """
         if not self.eval_examples:
             return {}
-        was_training = self.head.training
+        was_training, unroll = self.head.training, self.unroll
         self.head.eval()
+        self.unroll = 2  # the chained pass is measured whatever the training used
         weight = self.full.float()
-        agree_n = total_n = runs_sum = 0
+        agree_n = total_n = runs_sum = chained_n = chained_total = 0
         by_kind: dict[str, list[int]] = {}
         for idx in make_batches([len(e.ids) for e in self.eval_examples], self.batch_tokens, seed=0):
             group = [self.eval_examples[i] for i in idx]
             batch = collate_eagle(group, self.pad_id, 0.0)
             device = self.head.device
-            h = self.head.hidden(
-                batch.inputs.to(device), batch.ids.to(device), attention_mask=batch.attention_mask.to(device)
-            )
+            first, chained = self._passes(batch, noise=0.0)
             for r, e in enumerate(group):
-                sel = batch.response[r].to(device)
-                pred = (h[r][sel].float() @ weight.T).argmax(-1)
-                want = (batch.targets[r][sel.cpu()].to(device).float() @ weight.T).argmax(-1)
-                agree = (pred == want).cpu()
+                n = len(e.ids)
+                want = (batch.targets[r, :n].to(device).float() @ weight.T).argmax(-1).cpu()
+                agree1 = (first[r, :n].float() @ weight.T).argmax(-1).cpu() == want
+                agree2 = (chained[r, :n].float() @ weight.T).argmax(-1).cpu() == want
+                sel = batch.response[r, :n]
+                agree = agree1[sel]
                 agree_n += int(agree.sum())
                 total_n += len(agree)
                 runs_sum += int(accepted_run(agree, k).sum())
+                after_right = sel.clone()
+                after_right[0] = False
+                after_right[1:] &= agree1[:-1] & sel[:-1]  # the first draft token was accepted
+                chained_n += int(agree2[after_right].sum())
+                chained_total += int(after_right.sum())
                 counts = by_kind.setdefault(e.kind, [0, 0])
                 counts[0] += int(agree.sum())
                 counts[1] += len(agree)
         self.head.train(was_training)
+        self.unroll = unroll
         return {
             "top1_agreement": agree_n / max(total_n, 1),
+            "chained_agreement": chained_n / max(chained_total, 1),
             f"mean_accepted_k{k}": runs_sum / max(total_n, 1),
             "positions": total_n,
             "by_kind": {kind: a / max(n, 1) for kind, (a, n) in sorted(by_kind.items())},

@@ -206,6 +206,7 @@ def distill(
             cls_weight=cfg.eagle_cls_weight,
             scale=feature_scale(train_examples),
             batch_tokens=cfg.batch_tokens,
+            unroll=cfg.eagle_unroll,
         )
     else:
         init_layers = cfg.init_layers or default_init_layers(cfg.n_layers, n_target)
