@@ -286,7 +286,7 @@ def model_card(name: str, cfg: DistillConfig, init_layers, metrics: dict) -> str
     lines = [
         f"# Distilled draft for {name}",
         "",
-        f"A {'EAGLE' if cfg.architecture == 'eagle' else str(cfg.n_layers) + '-layer'} draft for "
+        f"{'An EAGLE' if cfg.architecture == 'eagle' else f'A {cfg.n_layers}-layer'} draft for "
         "speculative decoding with agentspec, distilled from "
         f"`{name}` on the target's own responses. It shares the target's input embeddings and LM head "
         "(not stored here): load it with the target,",
