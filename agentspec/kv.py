@@ -7,8 +7,34 @@ reused across steps (or calls) only ever re-reads the tokens that changed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from transformers import DynamicCache
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The model's final norm: its output is the hidden state an EAGLE head reads."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise ValueError(
+            f"{type(model).__name__}: no final norm (model.norm) to read hidden states from; an EAGLE "
+            "draft needs a decoder-only model with one"
+        )
+    return norm
+
+
+@contextmanager
+def final_hidden(model) -> Iterator[list[torch.Tensor]]:
+    """Within the block, the model's passes append their final-norm output [B, T, H] to the list."""
+    captured: list[torch.Tensor] = []
+    hook = final_norm(model).register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        yield captured
+    finally:
+        hook.remove()
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -55,20 +81,15 @@ class ModelState:
         assert new_ids, "forward needs at least one new token"
         device = self.model.device
         x = torch.tensor([new_ids], dtype=torch.long, device=device)
-        captured: list[torch.Tensor] = []
-        hook = None
-        if hidden:
-            from agentspec.drafters.eagle import final_norm
-
-            hook = final_norm(self.model).register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
-            out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
+            if hidden:
+                with final_hidden(self.model) as captured:
+                    out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
+            else:
+                out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
         except BaseException:
             self.reset()  # a failed pass may have updated some layers only: start clean
             raise
-        finally:
-            if hook is not None:
-                hook.remove()
         self.ids.extend(new_ids)
         self.check()
         if hidden:

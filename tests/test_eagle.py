@@ -16,7 +16,8 @@ from agentspec.distill.data import Example
 from agentspec.distill.eagle import collate_eagle, eagle_loss
 from agentspec.distill.student import build_eagle
 from agentspec.drafters import ModelDrafter
-from agentspec.drafters.eagle import EagleState, final_norm, is_eagle
+from agentspec.drafters.eagle import EagleState, is_eagle
+from agentspec.kv import final_hidden
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,11 +44,8 @@ def epair(etarget, head, fake_tokenizer):
 
 
 def features(model, ids):
-    captured = []
-    hook = final_norm(model).register_forward_hook(lambda _m, _i, out: captured.append(out))
-    with torch.no_grad():
+    with torch.no_grad(), final_hidden(model) as captured:
         model(input_ids=torch.tensor([ids]))
-    hook.remove()
     return captured[-1][0]
 
 

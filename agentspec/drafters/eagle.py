@@ -30,6 +30,8 @@ import copy
 
 import torch
 
+from agentspec.kv import common_prefix_len
+
 EAGLE_ARCHITECTURE = "eagle"
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
 
@@ -45,18 +47,6 @@ def eagle_config(target_config):
     config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # ids outside the one row
     config.tie_word_embeddings = False
     return config
-
-
-def final_norm(model) -> torch.nn.Module:
-    """The target's final norm: its output is the feature an EAGLE head reads."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    norm = getattr(decoder, "norm", None)
-    if not isinstance(norm, torch.nn.Module):
-        raise ValueError(
-            f"{type(model).__name__}: no final norm (model.norm) to read hidden states from; an EAGLE "
-            "draft needs a decoder-only model with one"
-        )
-    return norm
 
 
 class EagleHead(torch.nn.Module):
@@ -199,8 +189,6 @@ class EagleState:
         features describe the verified sequence, which only grows within a call: a ``seq`` that
         differs inside it is another sequence, and its features are dropped with it.
         """
-        from agentspec.kv import common_prefix_len
-
         common = common_prefix_len(self.ids, seq)
         if common < self.real:
             self._feats, self.feat_pos, self.seen = [], 0, False
