@@ -77,15 +77,24 @@ def feature_scale(examples: Sequence[Example], n: int = 32) -> float:
     return float(sample.std().clamp_min(1e-6))
 
 
+def shift_right(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] -> the same, one position later: row p holds x[:, p - 1], zero at p = 0."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
 @dataclass
 class EagleBatch:
     ids: torch.Tensor  # [B, T] x_p, right-padded
-    inputs: torch.Tensor  # [B, T, H] f_{p-1} (0 at p = 0)
     targets: torch.Tensor  # [B, T, H] f_p
     attention_mask: torch.Tensor  # [B, T]
     weights: torch.Tensor  # [B, T] loss weight (0 on padding)
     response: torch.Tensor  # [B, T] bool: p predicts a response token (p + 1 >= start, p + 1 < L)
     n_tokens: int
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        """[B, T, H] the features the entries read: f_{p-1}, 0 at p = 0."""
+        return shift_right(self.targets)
 
 
 def collate_eagle(examples: Sequence[Example], pad_id: int, prompt_weight: float) -> EagleBatch:
@@ -93,18 +102,18 @@ def collate_eagle(examples: Sequence[Example], pad_id: int, prompt_weight: float
     hidden = examples[0].features.shape[-1]
     b = len(examples)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
-    inputs, targets = torch.zeros((b, width, hidden)), torch.zeros((b, width, hidden))
+    targets = torch.zeros((b, width, hidden))
     mask = torch.zeros((b, width), dtype=torch.long)
     weights = torch.zeros((b, width))
     response = torch.zeros((b, width), dtype=torch.bool)
     for r, e in enumerate(examples):
         n, f = len(e.ids), e.features.float()
         ids[r, :n], mask[r, :n] = e.ids, 1
-        inputs[r, 1:n], targets[r, :n] = f[: n - 1], f
+        targets[r, :n] = f
         predicts = torch.arange(n) + 1  # the position of the token h_p predicts
         weights[r, :n] = torch.where(predicts >= e.start, 1.0, prompt_weight)
         response[r, :n] = (predicts >= e.start) & (predicts < n)
-    return EagleBatch(ids, inputs, targets, mask, weights, response, int(mask.sum()))
+    return EagleBatch(ids, targets, mask, weights, response, int(mask.sum()))
 
 
 def eagle_loss(
@@ -147,9 +156,8 @@ def chained_hidden(head, first: torch.Tensor, ids: torch.Tensor, attention_mask:
 
     ``first`` [B, T, H]: the first pass's outputs; chained entry p reads first[:, p - 1] (zero at 0).
     """
-    shifted = torch.cat([torch.zeros_like(first[:, :1]), first[:, :-1]], dim=1)
     t = ids.shape[1]
-    x = head.fc(torch.cat([shifted, head.embed(ids).to(head.dtype)], dim=-1))
+    x = head.fc(torch.cat([shift_right(first), head.embed(ids).to(head.dtype)], dim=-1))
     mask = chained_mask(attention_mask.cpu(), head.dtype).to(head.device)
     positions = torch.arange(t, device=head.device)[None].expand(ids.shape[0], -1)
     out = head.decoder(
@@ -185,7 +193,7 @@ class EagleObjective:
             raise ValueError(f"eagle_unroll: 1 or 2, got {unroll!r}")
         self.unroll = unroll
 
-    def _passes(self, batch: EagleBatch, noise: float) -> list[torch.Tensor]:
+    def _passes(self, batch: EagleBatch, noise: float, unroll: int) -> list[torch.Tensor]:
         """The head's outputs [B, T, H]: from the target's features, then (unroll 2) chained."""
         from transformers import DynamicCache
 
@@ -195,9 +203,9 @@ class EagleObjective:
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * (2 * noise * self.scale)
         mask = batch.attention_mask.to(device)
         ids = batch.ids.to(device)
-        cache = DynamicCache(config=self.head.decoder.config) if self.unroll > 1 else None
+        cache = DynamicCache(config=self.head.decoder.config) if unroll > 1 else None
         h = self.head.hidden(inputs.to(device), ids, cache=cache, attention_mask=mask)
-        if self.unroll == 1:
+        if unroll == 1:
             return [h]
         return [h, chained_hidden(self.head, h, ids, batch.attention_mask, cache)]
 
@@ -216,7 +224,7 @@ class EagleObjective:
                 self.scale,
                 self.cls_weight,
             )
-            for h in self._passes(batch, self.noise)
+            for h in self._passes(batch, self.noise, self.unroll)
         )
         return loss, batch.n_tokens
 
@@ -231,9 +239,8 @@ class EagleObjective:
         """
         if not self.eval_examples:
             return {}
-        was_training, unroll = self.head.training, self.unroll
+        was_training = self.head.training
         self.head.eval()
-        self.unroll = 2  # the chained pass is measured whatever the training used
         weight = self.full.float()
         agree_n = total_n = runs_sum = chained_n = chained_total = 0
         by_kind: dict[str, list[int]] = {}
@@ -241,7 +248,7 @@ class EagleObjective:
             group = [self.eval_examples[i] for i in idx]
             batch = collate_eagle(group, self.pad_id, 0.0)
             device = self.head.device
-            first, chained = self._passes(batch, noise=0.0)
+            first, chained = self._passes(batch, noise=0.0, unroll=2)  # whatever the training used
             for r, e in enumerate(group):
                 n = len(e.ids)
                 want = (batch.targets[r, :n].to(device).float() @ weight.T).argmax(-1).cpu()
@@ -261,7 +268,6 @@ class EagleObjective:
                 counts[0] += int(agree.sum())
                 counts[1] += len(agree)
         self.head.train(was_training)
-        self.unroll = unroll
         return {
             "top1_agreement": agree_n / max(total_n, 1),
             "chained_agreement": chained_n / max(chained_total, 1),

@@ -207,8 +207,7 @@ def save_draft(
         "shares_embeddings_with": target_name,
         "embedding_shape": list(embed.shape),
         "lm_head_shape": list(head.shape),
-        "tie_word_embeddings": bool(getattr(student.config, "tie_word_embeddings", False))
-        and not is_eagle(student),
+        "tie_word_embeddings": bool(getattr(student.config, "tie_word_embeddings", False)),
         "embedding_fingerprint": _fingerprint(embed),  # mean, std: warns on another target's
         "architecture": EAGLE_ARCHITECTURE if is_eagle(student) else "layers",
         "num_hidden_layers": student.config.num_hidden_layers,
@@ -278,7 +277,6 @@ def load_draft(folder: str | Path, target):
     if eagle:
         from agentspec.drafters.eagle import EagleHead
 
-        target.requires_grad_(False)
         draft = EagleHead(config, target.get_input_embeddings(), target.get_output_embeddings())
     else:
         draft = AutoModelForCausalLM.from_config(config)
