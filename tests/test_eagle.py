@@ -183,3 +183,14 @@ def test_the_chained_training_pass_is_what_drafting_computes(head, etarget):
         assert torch.allclose(rows[-1], head.head(chained[0, p]), atol=1e-4), p
         if p < 7:  # the padded row of the batch gives the same
             assert torch.allclose(chained[1, p], chained[0, p], atol=1e-4), p
+
+
+def test_unfed_features_are_bounded_by_dropping_the_oldest_passes(head):
+    from agentspec.drafters.eagle import MAX_PENDING_FEATURES
+
+    state = EagleState(head)
+    for pos in range(0, MAX_PENDING_FEATURES + 500, 2):  # a benched head: passes of 2 verified rows
+        state.observe(pos, torch.zeros(2, 32))
+    assert state.feat_end == MAX_PENDING_FEATURES + 500
+    assert state.feat_end - state.feat_pos == MAX_PENDING_FEATURES
+    assert sum(len(f) for f in state._feats) == MAX_PENDING_FEATURES

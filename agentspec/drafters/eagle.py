@@ -127,12 +127,8 @@ class EagleState:
         self.real = 0
         self.last: torch.Tensor | None = None  # [d]: the head's output at the last entry
         self._feats: list[torch.Tensor] = []  # target features of positions [feat_pos, feat_end)
-        self.feat_pos = 0
+        self.feat_pos = self.feat_end = 0
         self.seen = False  # any feature observed in this call
-
-    @property
-    def feat_end(self) -> int:
-        return self.feat_pos + sum(len(f) for f in self._feats)
 
     def check(self) -> None:
         n = self.cache.get_seq_length()
@@ -149,10 +145,14 @@ class EagleState:
             self._feats, self.feat_pos = [hidden], pos
         else:
             self._feats.append(hidden)
-        extra = self.feat_end - self.feat_pos - MAX_PENDING_FEATURES
-        if extra > 0:  # keep the newest: the head then restarts where its features do
-            kept = torch.cat(self._feats)[extra:]
-            self._feats, self.feat_pos = [kept], self.feat_pos + extra
+        self.feat_end = pos + len(hidden)
+        # too many unfed (a benched head): drop the oldest passes whole, no copy; the head then
+        # restarts where its features do
+        while (
+            len(self._feats) > 1
+            and self.feat_end - self.feat_pos - len(self._feats[0]) >= MAX_PENDING_FEATURES
+        ):
+            self.feat_pos += len(self._feats.pop(0))
 
     def _take(self, start: int, end: int) -> torch.Tensor:
         """Features of positions [start, end); those before ``end`` are dropped (fed for good)."""
@@ -191,7 +191,7 @@ class EagleState:
         """
         common = common_prefix_len(self.ids, seq)
         if common < self.real:
-            self._feats, self.feat_pos, self.seen = [], 0, False
+            self._feats, self.feat_pos, self.feat_end, self.seen = [], 0, 0, False
         self.truncate(min(common, self.real))
         return seq[len(self.ids) :]
 
