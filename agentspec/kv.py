@@ -7,11 +7,20 @@ reused across steps (or calls) only ever re-reads the tokens that changed.
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import torch
 from transformers import DynamicCache
+
+# A CPU pass over 2..FEW_ROWS new tokens computes its large float32 linears weight-first
+# (``few_rows_linears``): those whose weight holds at least MIN_WEIGHT_BYTES (more than a CPU caches).
+FEW_ROWS = 64
+MIN_WEIGHT_BYTES = 16 << 20
+WEIGHT_FIRST_DTYPES = {torch.float32}
 
 
 def final_norm(model) -> torch.nn.Module:
@@ -35,6 +44,61 @@ def final_hidden(model) -> Iterator[list[torch.Tensor]]:
         yield captured
     finally:
         hook.remove()
+
+
+def _weight_first(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if not 2 <= rows.shape[0] <= FEW_ROWS:
+        return torch.nn.functional.linear(x, linear.weight, linear.bias)
+    out = (linear.weight @ rows.T).T.contiguous()
+    if linear.bias is not None:
+        out += linear.bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_LINEAR_LOCK = threading.Lock()
+_LINEAR_USERS: Counter[int] = Counter()
+
+
+@contextmanager
+def few_rows_linears(model, rows: int) -> Iterator[None]:
+    """Within the block, a CPU model's large float32 linears compute 2-64 rows as ``W @ x.T``.
+
+    ``F.linear`` computes ``x @ W.T``. On a CPU, in float32, for a few rows against a weight larger
+    than the caches (an LM head; every projection of a 7B model), that kernel runs 2-4x slower than
+    for one row, while ``W @ x.T`` costs little more than one row (``benchmarks/bench_verify_cost.py``;
+    in bfloat16 it does not pay, so those are left alone). A verify pass has 2-9 rows, so this is
+    much of its extra cost. Same product, another summation order; one-row passes (plain decoding)
+    and prefills keep ``F.linear``. PyTorch has no switch for it, and a ``TorchFunctionMode`` doing
+    this costs ~20 ms a pass in Python dispatch, hence swapping the ``forward`` of those modules
+    while any pass on the model is inside the block (counted, so threads can share a model). A
+    module with an instance ``forward`` of someone else's (accelerate's hooks) is left alone.
+    """
+    if not 2 <= rows <= FEW_ROWS:
+        yield
+        return
+    linears = [
+        m
+        for m in model.modules()
+        if type(m) is torch.nn.Linear
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype in WEIGHT_FIRST_DTYPES
+        and m.weight.numel() * m.weight.element_size() >= MIN_WEIGHT_BYTES
+    ]
+    with _LINEAR_LOCK:
+        ours = [m for m in linears if _LINEAR_USERS[id(m)] or "forward" not in vars(m)]
+        for m in ours:
+            if not _LINEAR_USERS[id(m)]:
+                m.forward = partial(_weight_first, m)
+            _LINEAR_USERS[id(m)] += 1
+    try:
+        yield
+    finally:
+        with _LINEAR_LOCK:
+            for m in ours:
+                _LINEAR_USERS[id(m)] -= 1
+                if not _LINEAR_USERS[id(m)]:
+                    del _LINEAR_USERS[id(m)], m.forward
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -82,17 +146,16 @@ class ModelState:
         device = self.model.device
         x = torch.tensor([new_ids], dtype=torch.long, device=device)
         try:
-            if hidden:
-                with final_hidden(self.model) as captured:
-                    out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
-            else:
+            with ExitStack() as stack:
+                stack.enter_context(few_rows_linears(self.model, len(new_ids)))
+                captured = stack.enter_context(final_hidden(self.model)) if hidden else None
                 out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
         except BaseException:
             self.reset()  # a failed pass may have updated some layers only: start clean
             raise
         self.ids.extend(new_ids)
         self.check()
-        if hidden:
+        if captured is not None:
             return out.logits[0, -keep:], captured[-1][0, -len(new_ids) :]
         return out.logits[0, -keep:]
 

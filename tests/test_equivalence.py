@@ -109,6 +109,20 @@ def test_speculative_greedy_equals_generate(pair, cases, drafter, k):
         assert histogram[k] > 0 and (k == 1 or sum(histogram[1:k]) > 0), f"{histogram=}"
 
 
+@pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
+def test_speculative_greedy_with_weight_first_linears_equals_generate(pair, cases, drafter, monkeypatch):
+    # on a CPU, verify passes of 2-64 rows compute large float32 linears as W @ x.T (kv.py); the
+    # conftest models' weights are small, so every weight counts as large here
+    from agentspec import kv
+
+    calls = []
+    real = kv._weight_first
+    monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(kv, "_weight_first", lambda m, x: calls.append(m) or real(m, x))
+    histogram = run_all(pair, cases, drafter, 3)
+    assert calls and histogram[0] > 0 and sum(histogram[1:]) > 0, f"{histogram=}"
+
+
 @pytest.mark.parametrize(
     ("options", "n_cases"),
     [({"drafter": "none"}, N_PROMPTS), ({"speculative": False}, 10), ({"num_draft_tokens": 0}, 10)],

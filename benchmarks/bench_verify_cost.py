@@ -1,0 +1,190 @@
+"""What a verify pass costs on this CPU, with the LM head computed two ways.
+
+Run from the repository root (about 5 minutes on 2 cores, 7 GB of memory):
+
+    python benchmarks/bench_verify_cost.py
+
+A verify pass feeds the target k new tokens (the last verified one and k - 1 drafted ones) and keeps a
+logits row for each. On a CPU, ``F.linear`` (``x @ W.T``) for a few rows against the large-vocabulary
+LM head runs far slower than for one row; ``W @ x.T`` does not. ``agentspec.kv.few_rows_head``
+computes passes of 2 to ``kv.FEW_ROWS`` rows the second way. Two measurements, each interleaving the
+two ways round by round with a rotating order, so drift on a shared machine hits both alike:
+
+1. The LM head alone (the target's weights, random rows): median ms per k rows.
+2. A whole target pass over k new tokens after a 300-token cache (``ModelState.forward``, as the
+   decode loop calls it), with ``kv.FEW_ROWS`` set to 1 (off: every pass uses ``F.linear``) and to
+   its default (on): median ms per k and the verify-cost curve V(k) = T(k) / T(1).
+3. The same for a model with Qwen2.5-7B's shapes but 2 of its 28 layers (random weights, about 6 GB):
+   what a 7B target's passes gain, since no 7B model is on this machine; in float32, and in
+   bfloat16 with weight-first forced on (``kv.WEIGHT_FIRST_DTYPES``), which shows why it is off there.
+
+Writes JSON (--out) and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_core.py
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import environment  # noqa: E402
+
+import agentspec  # noqa: E402
+from agentspec import kv  # noqa: E402
+from agentspec.bench.workloads import _CODE, _SEARCH, _WEATHER  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64]
+LARGE_SIZES = [1, 2, 4, 8, 16]
+WAYS = {"F.linear": 1, "weight-first": kv.FEW_ROWS}  # the kv.FEW_ROWS each way runs with
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def head_alone(head: torch.nn.Linear, sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Median ms of the LM head over k random rows, per way."""
+    gen = torch.Generator().manual_seed(0)
+    rows = {k: torch.randn(k, head.in_features, generator=gen, dtype=head.weight.dtype) for k in sizes}
+    ways = {
+        "F.linear": lambda x: torch.nn.functional.linear(x, head.weight, head.bias),
+        "weight-first": lambda x: kv._weight_first(head, x),
+    }
+    times: dict[str, dict[int, list[float]]] = {w: {k: [] for k in sizes} for w in ways}
+    with torch.inference_mode():
+        for r in range(repeats + 1):  # round 0 warms up and is dropped
+            names = list(ways) if r % 2 else list(ways)[::-1]
+            for k in sizes[r % len(sizes) :] + sizes[: r % len(sizes)]:
+                for w in names:
+                    t0 = time.perf_counter()
+                    ways[w](rows[k])
+                    if r:
+                        times[w][k].append(time.perf_counter() - t0)
+    return {w: {k: _median_ms(v) for k, v in per.items()} for w, per in times.items()}
+
+
+def whole_pass(model, ids: list[int], sizes: list[int], cache_len: int, repeats: int) -> dict[str, dict]:
+    """Median ms of a pass over k new tokens after ``cache_len`` cached ones, per way."""
+    assert len(ids) >= cache_len + max(sizes), f"{len(ids)=} too short"
+    prefix, new = ids[:cache_len], ids[cache_len : cache_len + max(sizes)]
+    state = kv.ModelState(model)
+    state.forward(prefix, keep=1)
+    times: dict[str, dict[int, list[float]]] = {w: {k: [] for k in sizes} for w in WAYS}
+    try:
+        for r in range(repeats + 1):
+            names = list(WAYS) if r % 2 else list(WAYS)[::-1]
+            for k in sizes[r % len(sizes) :] + sizes[: r % len(sizes)]:
+                for w in names:
+                    kv.FEW_ROWS = WAYS[w]
+                    t0 = time.perf_counter()
+                    state.forward(new[:k], keep=k)  # a verify pass keeps a logits row per new token
+                    dt = time.perf_counter() - t0
+                    state.truncate(cache_len)
+                    if r:
+                        times[w][k].append(dt)
+    finally:
+        kv.FEW_ROWS = WAYS["weight-first"]
+    return {w: {k: _median_ms(v) for k, v in per.items()} for w, per in times.items()}
+
+
+def qwen7b_shaped(dtype: torch.dtype, layers: int = 2):
+    """Qwen2.5-7B-Instruct's shapes (hidden 3584, MLP 18944, 28 query and 4 KV heads, 152,064
+    tokens, untied head) with ``layers`` layers and random weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                         num_hidden_layers=layers, num_attention_heads=28, num_key_value_heads=4,
+                         tie_word_embeddings=False)  # fmt: skip
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    model = model.to_empty(device="cpu").to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model.eval()
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [("head_ms", "LM head alone"), ("pass_ms", f"target pass after {result['cache_tokens']} cached")]
+    parts += [(f"large_{d}_ms", f"Qwen2.5-7B shapes, 2 layers, {d}") for d in result.get("large_dtypes", [])]
+    fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 4))
+    for ax, (part, title) in zip(axes, parts, strict=True):
+        for way, per in result[part].items():
+            ks = [int(k) for k in per]
+            ax.plot(ks, list(per.values()), marker="o", label=way)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("new tokens (logits rows)")
+        ax.set_ylabel("median ms")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"{result['environment'].get('model', '')}: verify cost on this CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--cache-len", type=int, default=300)
+    ap.add_argument("--no-large", action="store_true", help="skip the 7B-shaped model (part 3)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "verify_cost.json")
+    args = ap.parse_args(argv)
+    pair = agentspec.load_pair()
+    head = pair.target.get_output_embeddings()
+    result: dict[str, Any] = {"environment": environment(pair), "cache_tokens": args.cache_len,
+                              "few_rows": kv.FEW_ROWS, "repeats": args.repeats}  # fmt: skip
+    print("LM head alone ...", flush=True)
+    result["head_ms"] = head_alone(head, SIZES, args.repeats)
+    print("whole target passes ...", flush=True)
+    ids = pair.tokenizer((_WEATHER + _CODE + _SEARCH) * 4)["input_ids"]
+    result["pass_ms"] = whole_pass(pair.target, ids, SIZES, args.cache_len, args.repeats)
+    parts = ["head_ms", "pass_ms"]
+    if not args.no_large:
+        result["large_dtypes"] = ["float32", "bfloat16"]
+        for name in result["large_dtypes"]:
+            print(f"7B-shaped passes, {name} ...", flush=True)
+            dtype = getattr(torch, name)
+            model = qwen7b_shaped(dtype)
+            default, kv.WEIGHT_FIRST_DTYPES = kv.WEIGHT_FIRST_DTYPES, {dtype}
+            try:
+                result[f"large_{name}_ms"] = whole_pass(model, ids, LARGE_SIZES, args.cache_len, 5)
+            finally:
+                kv.WEIGHT_FIRST_DTYPES = default
+            parts.append(f"large_{name}_ms")
+            del model
+    for part in parts:
+        on, off = result[part]["weight-first"], result[part]["F.linear"]
+        result[part.replace("_ms", "_speedup")] = {k: off[k] / on[k] for k in on}
+        if part != "head_ms":
+            result[part.replace("_ms", "_verify_cost_curve")] = {
+                w: {k: per[k] / per[1] for k in per} for w, per in result[part].items()
+            }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+    for part in parts:
+        off, on = result[part]["F.linear"], result[part]["weight-first"]
+        print(part, "  ".join(f"k={k}: {off[k]:.1f} -> {on[k]:.1f} ms" for k in on))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
