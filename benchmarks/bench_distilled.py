@@ -135,20 +135,20 @@ def step_costs(pair, ids: list[int], repeats: int) -> dict[str, float]:
     one = torch.tensor([[ids[-1]]], device=pair.device)
     with torch.inference_mode():
         caches = {"target": DynamicCache()}
-        pair.target(input_ids=x, past_key_values=caches["target"], use_cache=True)
+        pair.target(input_ids=x, cache=caches["target"], use_cache=True)
         if eagle:
             caches["draft"] = DynamicCache(config=pair.draft.decoder.config)
             feats = torch.zeros((1, len(ids), pair.draft.config.hidden_size), dtype=pair.dtype)
             pair.draft.hidden(feats, x, caches["draft"])
         else:
             caches["draft"] = DynamicCache()
-            pair.draft(input_ids=x, past_key_values=caches["draft"], use_cache=True)
+            pair.draft(input_ids=x, cache=caches["draft"], use_cache=True)
 
         def draft_step() -> None:
             if eagle:
                 pair.draft(feats[:, -1:], one, caches["draft"])
             else:
-                pair.draft(input_ids=one, past_key_values=caches["draft"], use_cache=True)
+                pair.draft(input_ids=one, cache=caches["draft"], use_cache=True)
 
         times: dict[str, list[float]] = {"target": [], "draft": [], "draft_full_head": []}
         for _ in range(repeats):
@@ -157,7 +157,7 @@ def step_costs(pair, ids: list[int], repeats: int) -> dict[str, float]:
                     pair.draft.set_output_embeddings(full)
                 t = time.perf_counter()
                 if name == "target":
-                    pair.target(input_ids=one, past_key_values=caches["target"], use_cache=True)
+                    pair.target(input_ids=one, cache=caches["target"], use_cache=True)
                 else:
                     draft_step()
                 times[name].append(time.perf_counter() - t)

@@ -17,6 +17,8 @@ two ways round by round with a rotating order, so drift on a shared machine hits
 3. The same for a model with Qwen2.5-7B's shapes but 2 of its 28 layers (random weights, about 6 GB):
    what a 7B target's passes gain, since no 7B model is on this machine; in float32, and in
    bfloat16 with weight-first forced on (``kv.WEIGHT_FIRST_DTYPES``), which shows why it is off there.
+4. Single float32 linears of 0.4 to 16.6 MiB (projections of 135M to 7B models), both ways: where
+   weight-first starts to pay, which sets ``kv.MIN_WEIGHT_BYTES``.
 
 Writes JSON (--out) and a PNG beside it.
 """
@@ -98,6 +100,19 @@ def whole_pass(model, ids: list[int], sizes: list[int], cache_len: int, repeats:
     return {w: {k: _median_ms(v) for k, v in per.items()} for w, per in times.items()}
 
 
+LINEAR_SHAPES = [(128, 896), (1536, 576), (896, 896), (512, 3584), (2048, 2048), (4864, 896)]
+
+
+def linears_by_size(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Median ms of single float32 linears (out, in) over k rows, per way, by weight size."""
+    rows = []
+    for shape in LINEAR_SHAPES:
+        lin = torch.nn.Linear(shape[1], shape[0], bias=False)
+        ms = head_alone(lin, sizes, repeats)
+        rows.append({"shape": list(shape), "mib": lin.weight.numel() * 4 / 2**20, **ms})
+    return rows
+
+
 def qwen7b_shaped(dtype: torch.dtype, layers: int = 2):
     """Qwen2.5-7B-Instruct's shapes (hidden 3584, MLP 18944, 28 query and 4 KV heads, 152,064
     tokens, untied head) with ``layers`` layers and random weights."""
@@ -155,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     print("whole target passes ...", flush=True)
     ids = pair.tokenizer((_WEATHER + _CODE + _SEARCH) * 4)["input_ids"]
     result["pass_ms"] = whole_pass(pair.target, ids, SIZES, args.cache_len, args.repeats)
+    print("single linears by size ...", flush=True)
+    result["linears_by_size"] = linears_by_size([1, 2, 4, 8], 3 * args.repeats)
     parts = ["head_ms", "pass_ms"]
     if not args.no_large:
         result["large_dtypes"] = ["float32", "bfloat16"]
@@ -179,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, args.out.with_suffix(".png"))
+    for row in result["linears_by_size"]:
+        off, on = row["F.linear"], row["weight-first"]
+        cells = "  ".join(f"k={k}: {off[k]:.3f} -> {on[k]:.3f}" for k in on)
+        print(f"{row['shape']} {row['mib']:.1f} MiB  {cells} ms")
     for part in parts:
         off, on = result[part]["F.linear"], result[part]["weight-first"]
         print(part, "  ".join(f"k={k}: {off[k]:.1f} -> {on[k]:.1f} ms" for k in on))
