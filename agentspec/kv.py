@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 # A CPU pass over 2..FEW_ROWS new tokens computes its large float32 linears weight-first
-# (``few_rows_linears``): those whose weight holds at least MIN_WEIGHT_BYTES (more than a CPU caches).
+# (``few_rows_linears``): those whose weight holds at least MIN_WEIGHT_BYTES (more than CPU caches hold).
 FEW_ROWS = 64
 MIN_WEIGHT_BYTES = 16 << 20
 WEIGHT_FIRST_DTYPES = {torch.float32}
@@ -67,7 +67,7 @@ def few_rows_linears(model, rows: int) -> Iterator[None]:
     ``F.linear`` computes ``x @ W.T``. On a CPU, in float32, for a few rows against a weight larger
     than the caches (an LM head; every projection of a 7B model), that kernel runs 2-4x slower than
     for one row, while ``W @ x.T`` costs little more than one row (``benchmarks/bench_verify_cost.py``;
-    in bfloat16 it does not pay, so those are left alone). A verify pass has 2-9 rows, so this is
+    in bfloat16 it does not pay, so those are left alone). A verify pass has 2-17 rows, so this is
     much of its extra cost. Same product, another summation order; one-row passes (plain decoding)
     and prefills keep ``F.linear``. PyTorch has no switch for it, and a ``TorchFunctionMode`` doing
     this costs ~20 ms a pass in Python dispatch, hence swapping the ``forward`` of those modules
