@@ -115,3 +115,18 @@ def test_model_state_passes_use_it(every_weight_is_large, tiny_llama, monkeypatc
     n = len(rows_seen)
     state.forward([5], keep=1)
     assert len(rows_seen) == n
+
+
+def test_the_large_linears_are_found_once_per_model(every_weight_is_large, monkeypatch):
+    model = torch.nn.Sequential(linear())
+    walks = []
+    real = model.modules
+    monkeypatch.setattr(model, "modules", lambda: walks.append(1) or real())
+    for _ in range(3):
+        with kv.few_rows_linears(model, rows=4):
+            assert swapped(model[0])
+    assert len(walks) == 1
+    monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 1 << 30)  # another threshold: found again, none large
+    with kv.few_rows_linears(model, rows=4):
+        assert not swapped(model[0])
+    assert len(walks) == 2
