@@ -1,12 +1,12 @@
-"""What a verify pass costs on this CPU, with the LM head computed two ways.
+"""What a verify pass costs on this CPU, with its large linears computed two ways.
 
 Run from the repository root (about 5 minutes on 2 cores, 7 GB of memory):
 
     python benchmarks/bench_verify_cost.py
 
 A verify pass feeds the target k new tokens (the last verified one and k - 1 drafted ones) and keeps a
-logits row for each. On a CPU, ``F.linear`` (``x @ W.T``) for a few rows against the large-vocabulary
-LM head runs far slower than for one row; ``W @ x.T`` does not. ``agentspec.kv.few_rows_head``
+logits row for each. On a CPU, ``F.linear`` (``x @ W.T``) for a few rows against a large weight (the
+LM head) runs far slower than for one row; ``W @ x.T`` does not. ``agentspec.kv.few_rows_linears``
 computes passes of 2 to ``kv.FEW_ROWS`` rows the second way. Two measurements, each interleaving the
 two ways round by round with a rotating order, so drift on a shared machine hits both alike:
 
@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,18 @@ LARGE_SIZES = [1, 2, 4, 8, 16]
 WAYS = {"F.linear": 1, "weight-first": kv.FEW_ROWS}  # the kv.FEW_ROWS each way runs with
 
 
-def _median_ms(times: list[float]) -> float:
-    return statistics.median(times) * 1e3
+def interleaved(ways: list[str], sizes: list[int], repeats: int, once: Callable[[str, int], float]):
+    """Median ms of ``once(way, k)`` (seconds) per way and k: the ways alternate within each k and
+    the k rotate from round to round, so drift hits all alike; round 0 warms up and is dropped."""
+    times: dict[str, dict[int, list[float]]] = {w: {k: [] for k in sizes} for w in ways}
+    for r in range(repeats + 1):
+        names = ways if r % 2 else ways[::-1]
+        for k in sizes[r % len(sizes) :] + sizes[: r % len(sizes)]:
+            for w in names:
+                dt = once(w, k)
+                if r:
+                    times[w][k].append(dt)
+    return {w: {k: statistics.median(v) * 1e3 for k, v in per.items()} for w, per in times.items()}
 
 
 def head_alone(head: torch.nn.Linear, sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
@@ -63,17 +74,14 @@ def head_alone(head: torch.nn.Linear, sizes: list[int], repeats: int) -> dict[st
         "F.linear": lambda x: torch.nn.functional.linear(x, head.weight, head.bias),
         "weight-first": lambda x: kv._weight_first(head, x),
     }
-    times: dict[str, dict[int, list[float]]] = {w: {k: [] for k in sizes} for w in ways}
+
+    def once(way: str, k: int) -> float:
+        t0 = time.perf_counter()
+        ways[way](rows[k])
+        return time.perf_counter() - t0
+
     with torch.inference_mode():
-        for r in range(repeats + 1):  # round 0 warms up and is dropped
-            names = list(ways) if r % 2 else list(ways)[::-1]
-            for k in sizes[r % len(sizes) :] + sizes[: r % len(sizes)]:
-                for w in names:
-                    t0 = time.perf_counter()
-                    ways[w](rows[k])
-                    if r:
-                        times[w][k].append(time.perf_counter() - t0)
-    return {w: {k: _median_ms(v) for k, v in per.items()} for w, per in times.items()}
+        return interleaved(list(ways), sizes, repeats, once)
 
 
 def whole_pass(model, ids: list[int], sizes: list[int], cache_len: int, repeats: int) -> dict[str, dict]:
@@ -82,22 +90,19 @@ def whole_pass(model, ids: list[int], sizes: list[int], cache_len: int, repeats:
     prefix, new = ids[:cache_len], ids[cache_len : cache_len + max(sizes)]
     state = kv.ModelState(model)
     state.forward(prefix, keep=1)
-    times: dict[str, dict[int, list[float]]] = {w: {k: [] for k in sizes} for w in WAYS}
+
+    def once(way: str, k: int) -> float:
+        kv.FEW_ROWS = WAYS[way]
+        t0 = time.perf_counter()
+        state.forward(new[:k], keep=k)  # a verify pass keeps a logits row per new token
+        dt = time.perf_counter() - t0
+        state.truncate(cache_len)
+        return dt
+
     try:
-        for r in range(repeats + 1):
-            names = list(WAYS) if r % 2 else list(WAYS)[::-1]
-            for k in sizes[r % len(sizes) :] + sizes[: r % len(sizes)]:
-                for w in names:
-                    kv.FEW_ROWS = WAYS[w]
-                    t0 = time.perf_counter()
-                    state.forward(new[:k], keep=k)  # a verify pass keeps a logits row per new token
-                    dt = time.perf_counter() - t0
-                    state.truncate(cache_len)
-                    if r:
-                        times[w][k].append(dt)
+        return interleaved(list(WAYS), sizes, repeats, once)
     finally:
         kv.FEW_ROWS = WAYS["weight-first"]
-    return {w: {k: _median_ms(v) for k, v in per.items()} for w, per in times.items()}
 
 
 LINEAR_SHAPES = [(128, 896), (1536, 576), (896, 896), (512, 3584), (2048, 2048), (4864, 896)]
