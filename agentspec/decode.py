@@ -48,10 +48,15 @@ class Step:
     drafted: int  # draft tokens verified in this pass
     accepted: int  # of those, accepted
     prefill: int  # prompt tokens the target computed in this pass (first pass only)
-    seconds: float  # wall time of this pass, drafting included
+    seconds: float  # wall time of this pass, drafting included (``time.perf_counter`` from ``started``)
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length", on the last step
     stats: DecodeStats = field(default_factory=DecodeStats, repr=False)  # the call's running stats
     forced: int = 0  # of ``tokens``, those a grammar forced (appended without a model guess)
+    target_pass: bool = True  # a target forward ran (False: the grammar alone added these tokens)
+    fed: int = 0  # tokens the target's pass was fed (uncached prompt or pending tokens, forced, drafts)
+    cached: int = 0  # tokens in the target's KV cache before the pass (restored or verified earlier)
+    restored: int = 0  # prompt tokens restored from the prefix cache (first step only, else 0)
+    started: float = 0.0  # ``time.perf_counter()`` when the pass began
 
 
 @dataclass
@@ -239,6 +244,7 @@ def decode(
     budget = min(config.max_new_tokens, pair.max_context - len(seq))
     vocab = pair.target.config.vocab_size
     out: list[int] = []
+    first_pass = True
     while True:
         t0 = time.perf_counter()
         room = min(budget - len(out), pair.max_context - len(seq))  # tokens this pass may add
@@ -270,9 +276,11 @@ def decode(
 
         if forced and (len(forced) == room or finished):
             n, token, verified = 0, None, False  # the grammar alone finishes this call: no pass
+            at, fed = len(target.ids), 0
         else:
             tap = getattr(drafter, "uses_target_hidden", False)  # an EAGLE head drafts from them
             at = len(target.ids)  # position of the pass's first token
+            fed = len(pending) + len(forced) + n_draft
             logits = forward_retrying(target, pending + forced + tokens, n_draft + 1, free_memory, tap)
             logits, hidden = logits if tap else (logits, None)  # [k+1, V]; [pass tokens, H]
             if constraint is not None:
@@ -322,8 +330,22 @@ def decode(
             stats.total_time_s = now - start
         delta = text.release(out, final=reason is not None, cut=cut)
         prefill = len(pending) - 1 if verified else 0
+        restored, first_pass = (stats.cached_tokens if first_pass else 0), False
         yield Step(
-            new, delta, n_draft, n, prefill, now - t0, reason, stats, forced=min(len(forced), len(new))
+            new,
+            delta,
+            n_draft,
+            n,
+            prefill,
+            now - t0,
+            reason,
+            stats,
+            forced=min(len(forced), len(new)),
+            target_pass=verified,
+            fed=fed,
+            cached=at,
+            restored=restored,
+            started=t0,
         )
         if reason is not None:
             return
