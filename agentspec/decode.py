@@ -1,9 +1,13 @@
 """The decoding loop: prefill, draft, verify in one target pass, accept, roll back. One generator.
 
-Every entry point (``generate``, ``stream``, the LangChain chat model, the benchmarks) consumes
-``decode``. Cache invariant, asserted by ``ModelState``: after every step the target's cache holds
-exactly the verified sequence minus its last token, which is fed (with the next draft) on the next
-pass; the draft model's cache is synced to the same verified tokens before it proposes.
+``_one_pass`` is one pass (draft, verify, accept, roll back) and ``_passes`` the loop around it;
+``decode`` checks the prompt and runs them, and ``stream`` adds the pair's lock, the drafter's
+health and the prefix cache (read in ``_restore``, written in ``_save``). Every entry point
+(``generate``, the LangChain chat model, the benchmarks) consumes ``stream`` or ``decode``.
+
+Cache invariant, asserted by ``ModelState``: after every step the target's cache holds exactly the
+verified sequence minus its last token, which is fed (with the next draft) on the next pass; the
+draft model's cache is synced to the same verified tokens before it proposes.
 
 A k-token draft costs one target pass over k+1 tokens: the pending token and the k draft tokens.
 Row i of that pass's logits scores draft token i; row k gives the bonus token.

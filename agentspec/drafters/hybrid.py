@@ -76,7 +76,9 @@ class DraftMemories:
     that names none), so a server can keep one tenant's earlier outputs out of another's drafts.
 
     A memory lives as long as its pair; each holds at most ``STORE_TOKENS`` output tokens, and
-    nothing bounds the number of keys: a caller with unbounded keys should reuse a fixed set.
+    nothing bounds the number of keys: a caller with unbounded keys should reuse a fixed set. No
+    drafting state is process-wide: what is shared is the pair itself (the LangChain adapter hands
+    one loaded pair to every chat model of the same models), and with it the default namespace.
     """
 
     def __init__(self) -> None:
