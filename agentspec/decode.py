@@ -1,9 +1,13 @@
 """The decoding loop: prefill, draft, verify in one target pass, accept, roll back. One generator.
 
-Every entry point (``generate``, ``stream``, the LangChain chat model, the benchmarks) consumes
-``decode``. Cache invariant, asserted by ``ModelState``: after every step the target's cache holds
-exactly the verified sequence minus its last token, which is fed (with the next draft) on the next
-pass; the draft model's cache is synced to the same verified tokens before it proposes.
+``_one_pass`` is one pass (draft, verify, accept, roll back) and ``_passes`` the loop around it;
+``decode`` checks the prompt and runs them, and ``stream`` adds the pair's lock, the drafter's
+health and the prefix cache (read in ``_restore``, written in ``_save``). Every entry point
+(``generate``, the LangChain chat model, the benchmarks) consumes ``stream`` or ``decode``.
+
+Cache invariant, asserted by ``ModelState``: after every step the target's cache holds exactly the
+verified sequence minus its last token, which is fed (with the next draft) on the next pass; the
+draft model's cache is synced to the same verified tokens before it proposes.
 
 A k-token draft costs one target pass over k+1 tokens: the pending token and the k draft tokens.
 Row i of that pass's logits scores draft token i; row k gives the bonus token.
@@ -11,8 +15,6 @@ Row i of that pass's logits scores draft token i; row k gives the bonus token.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import operator
 import time
@@ -23,7 +25,8 @@ from typing import Any
 import torch
 
 from agentspec.config import GenerationConfig
-from agentspec.drafters import Draft, Drafter, ModelDrafter
+from agentspec.drafters import Draft, Drafter
+from agentspec.drafters.health import DraftHealth
 from agentspec.grammar import Constraint, Grammar, apply_mask
 from agentspec.kv import ModelState
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
@@ -67,11 +70,14 @@ class GenerationResult:
     stats: DecodeStats
 
 
-def resolve_drafter(pair: ModelPair, drafter: Any, speculative: bool = True) -> Drafter | None:
-    """A drafter instance from a name (``DRAFTER_NAMES``) or an instance.
+def resolve_drafter(
+    pair: ModelPair, drafter: Any, speculative: bool = True, namespace: str | None = None
+) -> Drafter | None:
+    """A drafter instance from a name (``DRAFTER_NAMES``) or an instance (a ``Drafter`` subclass's).
 
     "auto" (the default) is the hybrid of ``agentspec.drafters.hybrid``: suffix drafts, or the
-    confidence-scheduled draft model when the pair has one and it is worth more.
+    confidence-scheduled draft model when the pair has one and it is worth more. A drafter built
+    from a name learns into the pair's drafting memory for ``namespace`` (``pair.draft_memory``).
     """
     if not speculative or drafter == "none":
         return None
@@ -80,7 +86,7 @@ def resolve_drafter(pair: ModelPair, drafter: Any, speculative: bool = True) -> 
     if isinstance(drafter, str) and drafter in DRAFTER_NAMES:
         from agentspec.drafters import build_drafter
 
-        return build_drafter(pair, drafter)
+        return build_drafter(pair, drafter, pair.draft_memory.get(namespace))
     if isinstance(drafter, Drafter):
         return drafter
     raise ValueError(f"drafter: expected one of {DRAFTER_NAMES} or a Drafter, got {drafter!r}")
@@ -130,7 +136,7 @@ def check_draft(draft: Draft, k: int, vocab: int) -> Draft:
             raise ValueError(f"draft q has shape {tuple(q.shape)}, expected {(len(tokens), vocab)}")
         if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
             raise ValueError("draft q has negative or non-finite probabilities")
-    return Draft(tokens, q, getattr(draft, "source", None))
+    return Draft(tokens, q, draft.source)
 
 
 def _drop(drafter: Drafter, exc: Exception, stats: DecodeStats) -> None:
@@ -169,21 +175,6 @@ def _finish(
 JUMP_FORWARD_LIMIT = 16  # the most grammar-forced tokens proposed in one verify pass
 
 
-@functools.cache
-def _takes_constraint(kind: type) -> bool:
-    """Whether a drafter class's ``propose`` accepts ``constraint=`` (it then masks its own draft)."""
-    try:
-        return "constraint" in inspect.signature(kind.propose).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _propose(drafter: Drafter, seq, k, config, gen, constraint: Constraint | None) -> Draft:
-    if constraint is not None and _takes_constraint(type(drafter)):
-        return drafter.propose(seq, k, config, gen, constraint=constraint)
-    return drafter.propose(seq, k, config, gen)
-
-
 def _fit_to_grammar(constraint: Constraint, tokens: list[int], start: int, sampled: bool) -> int:
     """Push ``tokens[start:]`` onto the constraint's path; return how many draft tokens to verify.
 
@@ -199,6 +190,212 @@ def _fit_to_grammar(constraint: Constraint, tokens: list[int], start: int, sampl
         if not constraint.push(tokens[i]):
             return i + 1 if sampled else i
     return len(tokens)
+
+
+@dataclass
+class _Call:
+    """One call's decoding state, read and advanced by each pass (``_one_pass``)."""
+
+    pair: ModelPair
+    config: GenerationConfig
+    target: ModelState  # covers the verified sequence minus the tokens still to feed
+    drafter: Drafter | None  # None: no drafter, or it failed and was dropped for the rest of the call
+    constraint: Constraint | None
+    free_memory: Callable[[], None] | None  # frees memory before a target pass is retried
+    seq: list[int]  # the verified sequence: prompt + output so far
+    stats: DecodeStats
+    eos: set[int]
+    text: TextTracker
+    gen: torch.Generator | None  # None: greedy
+    draft_cap: int  # the most drafter tokens per pass
+    budget: int  # the most output tokens (max_new_tokens, within the context window)
+    start: float  # ``time.perf_counter()`` when the call began
+    out: list[int] = field(default_factory=list)  # the output so far
+    passes: int = 0  # steps yielded so far
+
+    @property
+    def vocab(self) -> int:
+        return self.pair.target.config.vocab_size
+
+    @property
+    def jump(self) -> bool:
+        return self.constraint is not None and self.config.jump_forward
+
+    def drop(self, exc: Exception) -> None:
+        self.drafter = _drop(self.drafter, exc, self.stats)
+
+
+def _begin(pair, ids: list[int], config, drafter, target, grammar, free_memory) -> _Call:
+    """A call's state after ``ids`` (checked prompt ids); ``target`` is synced to what it covers of them."""
+    start = time.perf_counter()
+    target = target if target is not None else ModelState(pair.target)
+    if isinstance(grammar, Constraint) or grammar is None:
+        constraint = grammar
+    else:
+        constraint = Constraint.for_pair(pair, grammar)
+    cap = config.num_draft_tokens
+    if cap is None and drafter is not None:
+        cap = drafter.draft_cap
+    if cap is None:
+        cap = DEFAULT_DRAFT_CAP
+    target.sync(ids[:-1])  # the last prompt token is fed with the first pass
+    stats = DecodeStats(drafter=drafter.name if drafter else None, prompt_tokens=len(ids))
+    stats.cached_tokens = len(target.ids)
+    stats.prefill_tokens = len(ids) - len(target.ids)
+    eos = set(config.eos_token_ids) if config.eos_token_ids is not None else pair.eos_token_ids
+    return _Call(
+        pair,
+        config,
+        target,
+        drafter,
+        constraint,
+        free_memory,
+        seq=list(ids),
+        stats=stats,
+        eos=eos,
+        text=TextTracker(pair.tokenizer, config.stop, eos),
+        gen=None if config.greedy else make_generator(config.seed, pair.device),
+        draft_cap=cap,
+        budget=min(config.max_new_tokens, pair.max_context - len(ids)),
+        start=start,
+    )
+
+
+def _propose(call: _Call, seq: list[int], k: int) -> Draft:
+    """The drafter's checked proposal after ``seq``; a failure drops the drafter (an empty draft)."""
+    d, c = call.drafter, call.constraint
+    try:
+        if c is not None and d.masks_own_draft:
+            draft = d.propose(seq, k, call.config, call.gen, constraint=c)
+        else:
+            draft = d.propose(seq, k, call.config, call.gen)
+        return check_draft(draft, k, call.vocab)
+    except Exception as exc:  # the target alone gives the same output: carry on without
+        call.drop(exc)
+        return Draft([])
+
+
+def _draft(call: _Call, forced: list[int], k: int, finished: bool):
+    """The pass's draft after ``forced``: the text the grammar forces, then the drafter's guess, fit
+    to the grammar. Returns (tokens, q [len(tokens), V] or None, jump-forward tokens leading, source)."""
+    c = call.constraint
+    tokens = c.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if call.jump else []
+    n_jump = len(tokens)
+    k_draft = min(call.draft_cap, k - n_jump)
+    q, source = None, None
+    if call.drafter is not None and k_draft > 0 and not finished:
+        draft = _propose(call, call.seq + forced + tokens, k_draft)
+        source = draft.source
+        if draft.q is not None:  # jump-forward tokens are certain proposals: one-hot q
+            jumped = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), call.vocab)
+            q = torch.cat([jumped.to(draft.q), draft.q]) if tokens else draft.q
+        tokens += draft.tokens
+    if c is not None:
+        tokens = tokens[: _fit_to_grammar(c, tokens, n_jump, q is not None)]
+    if len(tokens) == n_jump:  # no drafter guess survived: only grammar-forced tokens, or nothing
+        source = "jump_forward" if n_jump else None
+    return tokens, q, n_jump, source
+
+
+def _verify(call: _Call, head: list[int], tokens: list[int], q: torch.Tensor | None) -> tuple[int, int]:
+    """One target pass over ``head`` (tokens to feed: pending, then forced) and the draft ``tokens``.
+
+    Returns (draft tokens accepted, the token drawn after them); the target is rolled back to the
+    verified tokens, and the constraint commits them.
+    """
+    target, c, config = call.target, call.constraint, call.config
+    tap = call.drafter is not None and call.drafter.uses_target_hidden  # an EAGLE head drafts from them
+    at = len(target.ids)  # position of the pass's first token
+    logits = forward_retrying(target, head + tokens, len(tokens) + 1, call.free_memory, tap)
+    logits, hidden = logits if tap else (logits, None)  # [k+1, V]; [pass tokens, H]
+    if c is not None:
+        logits = apply_mask(logits, c.masks(len(tokens) + 1))
+    d = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    if config.greedy:
+        n, token = greedy_verify(d, logits)
+    else:
+        p = probabilities(logits, config.temperature, config.top_k, config.top_p)
+        n, token = speculative_verify(d, p, q[: len(tokens)] if q is not None else None, call.gen)
+    assert 0 <= token < call.vocab, f"{token=} {call.vocab=}"
+    target.truncate(at + len(head) + n)  # roll back the rejected draft tokens
+    if hidden is not None:  # the verified positions' features
+        try:
+            call.drafter.observe_hidden(at, hidden[: len(target.ids) - at])
+        except Exception as exc:
+            call.drop(exc)
+    if c is not None:
+        c.commit(n)
+        if not c.terminated and not c.push(token):
+            raise RuntimeError(f"the grammar rejected token {token} drawn under its own mask")
+        c.commit(len(c.path))
+    return n, token
+
+
+def _one_pass(call: _Call) -> Step:
+    """Draft, verify, accept, roll back: what one target pass (or a grammar alone) adds to the output."""
+    t0 = time.perf_counter()
+    seq, target, c, stats = call.seq, call.target, call.constraint, call.stats
+    at = len(target.ids)  # position of the pass's first token
+    pending = seq[at:]  # verified tokens the target has not seen: the last one at least
+    room = min(call.budget - len(call.out), call.pair.max_context - len(seq))  # tokens this pass may add
+    forced = c.take_forced(room) if call.jump else []  # certain: no model guess needed
+    # read before any draft is pushed: a drafter may draft up to the grammar's stop token on the path
+    finished = c is not None and c.terminated
+    # never draft past the token budget or the context window
+    tokens, q, n_jump, source = _draft(call, forced, room - len(forced) - 1, finished)
+    verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
+    n, new = 0, list(forced)
+    if verified:
+        n, token = _verify(call, pending + forced, tokens, q)
+        stats.observe_step(len(tokens), n, source)
+        stats.jump_forward_tokens += n_jump
+        stats.jump_forward_accepted += min(n, n_jump)
+        new += tokens[:n] + [token]
+    new, reason, cut = _finish(new, len(call.out), call.budget, call.eos, call.text, call.out)
+    if reason is None and c is not None and c.terminated:
+        reason = "stop"  # the grammar is complete (it accepted a stop token)
+    stats.forced_tokens += min(len(forced), len(new))
+    call.out += new
+    seq += new
+    if call.drafter is not None and verified:
+        try:
+            call.drafter.feedback(seq, n, len(tokens))
+        except Exception as exc:
+            call.drop(exc)
+    now = time.perf_counter()
+    if len(call.out) == len(new):
+        stats.time_to_first_token_s = now - call.start
+    stats.output_tokens = len(call.out)
+    if reason is not None:
+        target.truncate(min(len(target.ids), len(seq) - 1))
+        stats.finish_reason = reason
+        stats.total_time_s = now - call.start
+    call.passes += 1
+    return Step(
+        new,
+        call.text.release(call.out, final=reason is not None, cut=cut),
+        len(tokens),
+        n,
+        len(pending) - 1 if verified else 0,
+        now - t0,
+        reason,
+        stats,
+        forced=min(len(forced), len(new)),
+        target_pass=verified,
+        fed=len(pending) + len(forced) + len(tokens) if verified else 0,
+        cached=at,
+        restored=stats.cached_tokens if call.passes == 1 else 0,
+        started=t0,
+    )
+
+
+def _passes(call: _Call) -> Iterator[Step]:
+    """The loop: one pass after another until one finishes the call."""
+    while True:
+        step = _one_pass(call)
+        yield step
+        if step.finish_reason is not None:
+            return
 
 
 def decode(
@@ -223,133 +420,8 @@ def decode(
     alone allows is appended without a model guess (it is fed with the next pass), and text the
     grammar forces is proposed as draft tokens.
     """
-    start = time.perf_counter()
-    seq = check_prompt(pair, prompt_ids)
-    target = target if target is not None else ModelState(pair.target)
-    stats = DecodeStats(drafter=drafter.name if drafter else None, prompt_tokens=len(seq))
-    eos = set(config.eos_token_ids) if config.eos_token_ids is not None else pair.eos_token_ids
-    text = TextTracker(pair.tokenizer, config.stop, eos)
-    gen = None if config.greedy else make_generator(config.seed, pair.device)
-    constraint = (
-        grammar if isinstance(grammar, Constraint) or grammar is None else Constraint.for_pair(pair, grammar)
-    )
-    jump = constraint is not None and config.jump_forward
-    draft_cap = config.num_draft_tokens
-    if draft_cap is None:
-        draft_cap = getattr(drafter, "draft_cap", DEFAULT_DRAFT_CAP)
-
-    pending = target.sync(seq[:-1]) + seq[-1:]
-    stats.cached_tokens = len(seq) - len(pending)
-    stats.prefill_tokens = len(pending)
-    budget = min(config.max_new_tokens, pair.max_context - len(seq))
-    vocab = pair.target.config.vocab_size
-    out: list[int] = []
-    first_pass = True
-    while True:
-        t0 = time.perf_counter()
-        room = min(budget - len(out), pair.max_context - len(seq))  # tokens this pass may add
-        forced = constraint.take_forced(room) if jump else []  # certain: no model guess needed
-        # read before any draft is pushed: a drafter may draft up to the grammar's stop token on the path
-        finished = constraint is not None and constraint.terminated
-        k = room - len(forced) - 1  # never draft past the token budget or the context window
-        tokens = constraint.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if jump else []
-        n_jump = len(tokens)
-        k_draft = min(draft_cap, k - n_jump)
-        q, source = None, None
-        if drafter is not None and k_draft > 0 and not finished:
-            try:
-                draft = _propose(drafter, seq + forced + tokens, k_draft, config, gen, constraint)
-                draft = check_draft(draft, k_draft, vocab)
-            except Exception as exc:  # the target alone gives the same output: carry on without
-                drafter = _drop(drafter, exc, stats)
-                draft = Draft([])
-            source = draft.source
-            if draft.q is not None:
-                jumped = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), vocab)
-                q = torch.cat([jumped.to(draft.q), draft.q]) if tokens else draft.q
-            tokens += draft.tokens
-        if constraint is not None:
-            tokens = tokens[: _fit_to_grammar(constraint, tokens, n_jump, q is not None)]
-        n_draft = len(tokens)
-        if n_draft == n_jump:  # no drafter guess survived: only grammar-forced tokens, or nothing
-            source = "jump_forward" if n_jump else None
-
-        if forced and (len(forced) == room or finished):
-            n, token, verified = 0, None, False  # the grammar alone finishes this call: no pass
-            at, fed = len(target.ids), 0
-        else:
-            tap = getattr(drafter, "uses_target_hidden", False)  # an EAGLE head drafts from them
-            at = len(target.ids)  # position of the pass's first token
-            fed = len(pending) + len(forced) + n_draft
-            logits = forward_retrying(target, pending + forced + tokens, n_draft + 1, free_memory, tap)
-            logits, hidden = logits if tap else (logits, None)  # [k+1, V]; [pass tokens, H]
-            if constraint is not None:
-                logits = apply_mask(logits, constraint.masks(n_draft + 1))
-            d = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-            if config.greedy:
-                n, token = greedy_verify(d, logits)
-            else:
-                p = probabilities(logits, config.temperature, config.top_k, config.top_p)
-                n, token = speculative_verify(d, p, q[:n_draft] if q is not None else None, gen)
-            assert 0 <= token < vocab, f"{token=} {vocab=}"
-            target.truncate(len(seq) + len(forced) + n)  # roll back the rejected draft tokens
-            if hidden is not None:  # the verified positions' features
-                try:
-                    drafter.observe_hidden(at, hidden[: len(target.ids) - at])
-                except Exception as exc:
-                    drafter = _drop(drafter, exc, stats)
-            stats.observe_step(n_draft, n, source)
-            stats.jump_forward_tokens += n_jump
-            stats.jump_forward_accepted += min(n, n_jump)
-            verified = True
-            if constraint is not None:
-                constraint.commit(n)
-                if not constraint.terminated and not constraint.push(token):
-                    raise RuntimeError(f"the grammar rejected token {token} drawn under its own mask")
-                constraint.commit(len(constraint.path))
-
-        new = forced + tokens[:n] + ([token] if verified else [])
-        new, reason, cut = _finish(new, len(out), budget, eos, text, out)
-        if reason is None and constraint is not None and constraint.terminated:
-            reason = "stop"  # the grammar is complete (it accepted a stop token)
-        stats.forced_tokens += min(len(forced), len(new))
-        out += new
-        seq += new
-        if drafter is not None and verified:
-            try:
-                drafter.feedback(seq, n, n_draft)
-            except Exception as exc:
-                drafter = _drop(drafter, exc, stats)
-        now = time.perf_counter()
-        if len(out) == len(new):
-            stats.time_to_first_token_s = now - start
-        stats.output_tokens = len(out)
-        if reason is not None:
-            target.truncate(min(len(target.ids), len(seq) - 1))
-            stats.finish_reason = reason
-            stats.total_time_s = now - start
-        delta = text.release(out, final=reason is not None, cut=cut)
-        prefill = len(pending) - 1 if verified else 0
-        restored, first_pass = (stats.cached_tokens if first_pass else 0), False
-        yield Step(
-            new,
-            delta,
-            n_draft,
-            n,
-            prefill,
-            now - t0,
-            reason,
-            stats,
-            forced=min(len(forced), len(new)),
-            target_pass=verified,
-            fed=fed,
-            cached=at,
-            restored=restored,
-            started=t0,
-        )
-        if reason is not None:
-            return
-        pending = seq[len(target.ids) :]
+    ids = check_prompt(pair, prompt_ids)
+    yield from _passes(_begin(pair, ids, config, drafter, target, grammar, free_memory))
 
 
 def _config(options: dict) -> GenerationConfig:
@@ -359,12 +431,60 @@ def _config(options: dict) -> GenerationConfig:
     return config if config is not None else GenerationConfig(**options)
 
 
+def _ready(health: DraftHealth, d: Drafter | None, key: str | None) -> tuple[Drafter | None, str | None]:
+    """The drafter for this call, reset, or None; and the name of one sitting out its cool-down.
+
+    Drafters named by string are built afresh per call, so their failures are counted per pair and
+    name (``key``; ``agentspec.drafters.health``); a Drafter instance passed in is the caller's own.
+    """
+    if d is None:
+        return None, None
+    if key is not None and not health.allow(key):  # it kept failing: the target alone, for a while
+        return None, key
+    try:
+        d.reset()
+    except Exception as exc:
+        log.warning("drafter %s failed to reset (%r); decoding without it", d.name, exc)
+        if key is not None:
+            health.record(key, failed=True)
+        return None, None
+    return d, None
+
+
+def _restore(pair: ModelPair, cache, ids: list[int], d: Drafter | None) -> ModelState:
+    """The target's state for ``ids`` from the prefix cache, and the drafter's, which it adopts."""
+    draft = d.kv_state() if d is not None else None
+    models = {"target": pair.target} if draft is None else {"target": pair.target, "draft": draft.model}
+    states = {}
+    with cache_oom_frees_cache(cache, "restoring from"):  # then prefill in full
+        states = cache.restore(pair, ids, models)
+    if "draft" in states:
+        d.adopt_kv_state(states["draft"])
+    return states.get("target") or ModelState(pair.target)
+
+
+def _save(pair: ModelPair, cache, target: ModelState, d: Drafter | None, ended: bool) -> None:
+    """Save the verified states to the prefix cache (the drafter's caught up first, unless it failed)."""
+    if ended and d is not None and d.kv_state() is not None:
+        try:  # the draft then covers the same verified tokens (also when closed early)
+            d.catch_up(target.ids)
+        except Exception as exc:  # a broken draft: the cache keeps the part it covered
+            log.warning("draft catch-up failed (%r); the cache keeps the draft's shorter part", exc)
+    saved = {"target": target}
+    draft = d.kv_state() if d is not None else None
+    if draft is not None:
+        saved["draft"] = draft
+    with cache_oom_frees_cache(cache, "saving to"):  # it costs the cache, not the reply
+        cache.save(pair, saved)
+
+
 def stream(
     pair: ModelPair,
     prompt_ids: Any,
     drafter: Any = None,
     prefix_cache: Any = True,
     grammar: Grammar | Constraint | None = None,
+    namespace: str | None = None,
     **options: Any,
 ) -> Iterator[Step]:
     """Yield Steps as tokens are verified. Options are GenerationConfig fields (or ``config=``).
@@ -375,44 +495,25 @@ def stream(
     verified state afterwards), False decodes from scratch (the no-reuse baseline, same loop), or
     pass a ``PrefixCache``. The pair's lock is held while the generator runs; closing the generator
     early releases it and still saves what was verified.
+
+    ``namespace`` picks the drafting memory of earlier outputs (``pair.draft_memory``) that a
+    drafter named by string drafts from and adds to: calls of other namespaces never see it (None:
+    the default memory, shared by every call that names none). Outputs are the same either way.
     """
     config = _config(options)
     drafter = "auto" if drafter is None else drafter
-    d = resolve_drafter(pair, drafter, config.speculative)
+    d = resolve_drafter(pair, drafter, config.speculative, namespace)
     cache = _pick_cache(pair, prefix_cache)
-    # drafters named by string are built afresh per call, so their failures are counted per pair and
-    # name (a cool-down, agentspec.drafters.health); a Drafter instance passed in is the caller's own
-    health = pair.draft_health
-    key = drafter if isinstance(drafter, str) else None
+    key = drafter if isinstance(drafter, str) else None  # the drafter's name in pair.draft_health
     with pair.lock:
         ids = check_prompt(pair, prompt_ids)
-        resting = None  # a drafter sitting out its cool-down (it kept failing): the target alone
-        if d is not None and key is not None and not health.allow(key):
-            resting, d = key, None
-        if d is not None:
-            try:
-                d.reset()
-            except Exception as exc:
-                log.warning("drafter %s failed to reset (%r); decoding without it", d.name, exc)
-                if key is not None:
-                    health.record(key, failed=True)
-                d = None
-        models = {"target": pair.target}
-        cached_draft = isinstance(d, ModelDrafter) and d.caches_state  # (an EAGLE head's is not)
-        if cached_draft:
-            models["draft"] = d.state.model
-        states = {}
-        if cache is not None:
-            with cache_oom_frees_cache(cache, "restoring from"):  # then prefill in full
-                states = cache.restore(pair, ids, models)
-        target = states.get("target") or ModelState(pair.target)
-        if cached_draft and "draft" in states:
-            d.state = states["draft"]
+        d, resting = _ready(pair.draft_health, d, key)
+        target = _restore(pair, cache, ids, d) if cache is not None else ModelState(pair.target)
         ended = False  # finished, or closed by the caller: not failed
         stats = None
         try:
             free = cache.clear if cache is not None else None
-            for step in decode(pair, ids, config, d, target=target, grammar=grammar, free_memory=free):
+            for step in _passes(_begin(pair, ids, config, d, target, grammar, free)):
                 if stats is None:  # one DecodeStats per call, shared by its steps
                     stats = step.stats
                     stats.draft_cooldown = resting
@@ -423,18 +524,9 @@ def stream(
             raise
         finally:
             if d is not None and key is not None and stats is not None:
-                health.record(key, failed=stats.draft_failures > 0)
-            if ended and cache is not None and cached_draft:
-                try:  # the draft then covers the same verified tokens (also when closed early)
-                    d.catch_up(target.ids)
-                except Exception as exc:  # a broken draft: the cache keeps the part it covered
-                    log.warning("draft catch-up failed (%r); the cache keeps the draft's shorter part", exc)
+                pair.draft_health.record(key, failed=stats.draft_failures > 0)
             if cache is not None:
-                saved = {"target": target}
-                if cached_draft:
-                    saved["draft"] = d.state
-                with cache_oom_frees_cache(cache, "saving to"):  # it costs the cache, not the reply
-                    cache.save(pair, saved)
+                _save(pair, cache, target, d, ended)
 
 
 def _pick_cache(pair: ModelPair, prefix_cache: Any):
@@ -455,6 +547,7 @@ def generate(
     drafter: Any = None,
     prefix_cache: Any = True,
     grammar: Grammar | Constraint | None = None,
+    namespace: str | None = None,
     **options: Any,
 ) -> GenerationResult:
     """Generate to the end; returns ids, text, finish reason and stats.
@@ -466,7 +559,7 @@ def generate(
     ids: list[int] = []
     parts: list[str] = []
     last = None
-    for last in stream(pair, prompt_ids, drafter, prefix_cache, grammar, **options):
+    for last in stream(pair, prompt_ids, drafter, prefix_cache, grammar, namespace, **options):
         ids += last.tokens
         parts.append(last.text)
     assert last is not None and last.finish_reason is not None

@@ -29,6 +29,7 @@ import torch
 
 from agentspec.attention import use_grouped_sdpa
 from agentspec.drafters.health import DraftHealth
+from agentspec.drafters.hybrid import DraftMemories
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,8 @@ class ModelPair:
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     # drafters that keep failing sit out a cool-down of calls (agentspec.drafters.health)
     draft_health: DraftHealth = field(default_factory=DraftHealth, repr=False, compare=False)
+    # what drafting learned from earlier calls (outputs, calibrations, costs), one per namespace key
+    draft_memory: DraftMemories = field(default_factory=DraftMemories, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:

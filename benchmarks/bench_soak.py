@@ -45,7 +45,6 @@ from bench_core import environment  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 
 import agentspec  # noqa: E402
-from agentspec.drafters.hybrid import memory_for  # noqa: E402
 from integrations.langchain import ChatSpecDecode  # noqa: E402
 from integrations.langchain.tool_parsing import parse_tool_calls  # noqa: E402
 
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = reply.response_metadata["stats"]
         out = stats["output_tokens"]
         decode_s = stats["total_time_s"] - (stats["time_to_first_token_s"] or 0.0)
-        store = memory_for(pair).store.index
+        store = pair.draft_memory.get().store.index
         rows.append({
             "call": n,
             "session": call["session"],

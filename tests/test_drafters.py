@@ -18,21 +18,21 @@ from test_grammar import PROMPTS as GRAMMAR_PROMPTS
 from test_sampling_lossless import N_DEFAULT, check_lossless, prompts, spair  # noqa: F401 (fixtures)
 
 import agentspec
-from agentspec import ModelPair
+from agentspec import Draft, ModelPair
 from agentspec import grammar as G
 from agentspec.cache import PrefixCache
+from agentspec.decode import DEFAULT_DRAFT_CAP
 from agentspec.drafters import (
     Calibration,
     ConfidenceSchedule,
+    Drafter,
     DraftMemory,
     HybridDrafter,
-    HybridModelDrafter,
     ModelDrafter,
     SuffixDrafter,
     SuffixStore,
     VerifyCost,
     build_drafter,
-    memory_for,
 )
 from agentspec.drafters.schedule import DEFAULT_VERIFY_COST, best_length, isotonic, survival, worth_extending
 from agentspec.drafters.suffix import SuffixIndex
@@ -316,12 +316,52 @@ def test_the_names_resolve_with_the_pairs_own_memory(pair, cases, name):
     assert s.verify_steps > 0
 
 
-def test_memory_is_per_target_and_draft_with_the_outputs_shared(pair, lone, tokenizer, perturbed):
+def test_memory_is_per_pair_and_namespace(pair, lone, tokenizer, perturbed):
     other = ModelPair(target=pair.target, draft=perturbed(pair.target, 9, 0.1), tokenizer=tokenizer)
-    m = memory_for(pair)
-    assert m is memory_for(pair) and m is not memory_for(other) and m is not memory_for(lone)
-    assert m.store is memory_for(other).store is memory_for(lone).store  # the same target's outputs
-    assert m.model_calibration is not memory_for(other).model_calibration  # about another draft
+    m = pair.draft_memory.get()
+    assert m is pair.draft_memory.get(None)
+    assert m is not other.draft_memory.get() and m is not lone.draft_memory.get()
+    assert m.store is not other.draft_memory.get().store  # pairs never share what they learned
+    tenant = pair.draft_memory.get("tenant-a")
+    assert tenant is pair.draft_memory.get("tenant-a") and tenant is not m and tenant.store is not m.store
+
+
+def test_a_namespace_keeps_earlier_outputs_apart(lone, cases):
+    prompt, ref = cases[1]  # a random prompt: little to copy from itself
+    options = {"max_new_tokens": N_NEW, "num_draft_tokens": 8, "prefix_cache": False}
+    runs = [agentspec.generate(lone, prompt, "suffix", namespace=ns, **options) for ns in ("a", "a", "b")]
+    assert [r.token_ids for r in runs] == [ref] * 3
+    assert lone.draft_memory.get("a").store.tokens == 2 * N_NEW
+    assert lone.draft_memory.get("b").store.tokens == N_NEW
+    assert runs[1].stats.accepted_tokens > runs[0].stats.accepted_tokens + N_NEW // 2, [r.stats for r in runs]
+    assert runs[2].stats.accepted_tokens < runs[1].stats.accepted_tokens, [r.stats for r in runs]
+
+
+class OwnDrafter(Drafter):
+    """A user's drafter: a name and ``propose`` only (the rest are the base class's defaults)."""
+
+    name = "own"
+
+    def propose(self, seq, k, config, generator):
+        return Draft(seq[-k:])  # the context's last tokens again: often wrong, sometimes right
+
+
+def test_a_drafter_with_only_name_and_propose(pair, cases):
+    for prompt, ref in cases[:6]:
+        r = agentspec.generate(pair, prompt, OwnDrafter(), max_new_tokens=N_NEW)
+        assert r.token_ids == ref and r.stats.drafter == "own" and r.stats.draft_failures == 0
+        assert r.stats.draft_tokens <= DEFAULT_DRAFT_CAP * r.stats.verify_steps, r.stats
+
+
+def test_an_object_that_is_not_a_drafter_is_refused(pair):
+    class Lookalike:  # propose and a name, but not a Drafter
+        name = "lookalike"
+
+        def propose(self, seq, k, config, generator):
+            return Draft([])
+
+    with pytest.raises(ValueError, match="a Drafter"):
+        agentspec.generate(pair, [1, 2, 3], Lookalike(), max_new_tokens=2)
 
 
 def test_auto_is_the_default(pair, lone, cases):
@@ -367,7 +407,7 @@ def test_auto_restores_and_saves_the_draft_state_with_the_prefix_cache(pair, cas
     first = agentspec.generate(pair, prompt, "auto", prefix_cache=cache, max_new_tokens=N_NEW)
     longer = prompt + first.token_ids + [3, 4]
     drafter = build_drafter(pair, "auto", flat_memory())
-    assert isinstance(drafter, HybridModelDrafter) and isinstance(drafter, ModelDrafter)
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.model, ModelDrafter)
     again = agentspec.generate(pair, longer, drafter, prefix_cache=cache, max_new_tokens=N_NEW)
     assert again.token_ids == hf_greedy(pair.target, longer, N_NEW)
     assert again.stats.cached_tokens > len(prompt)
@@ -432,7 +472,7 @@ def test_the_hybrid_forwards_the_constraint_to_the_draft_model(gpair):  # noqa: 
     grammar = G.ebnf(LIST)
     config = agentspec.GenerationConfig(temperature=1.0)
     drafter = build_drafter(gpair, "auto", flat_memory())
-    assert isinstance(drafter, HybridModelDrafter) and not isinstance(HybridDrafter(), ModelDrafter)
+    assert isinstance(drafter.model, ModelDrafter) and HybridDrafter().model is None
     for seed in range(5):
         drafter.reset()
         c = G.Constraint.for_pair(gpair, grammar)

@@ -16,7 +16,7 @@ import torch
 
 import agentspec
 from agentspec import Draft, ModelPair
-from agentspec.drafters import ModelDrafter
+from agentspec.drafters import Drafter, ModelDrafter
 
 VOCAB = 64  # the conftest models' vocabulary
 MAX_POSITIONS = 128  # and their context
@@ -45,7 +45,7 @@ def cases(one_thread, target, hf_greedy) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes the target's own greedy continuation (always right), or that plus one (always wrong).
 
     The continuation is computed beforehand with ``model.generate``; a wrong drafter's first token
@@ -259,7 +259,7 @@ def test_generation_stops_at_the_end_of_the_context(pair, hf_greedy, drafter, k,
 # --- a drafter that fails ------------------------------------------------------------------------
 
 
-class FlakyDrafter:
+class FlakyDrafter(Drafter):
     """Wraps a drafter and raises on its ``fail_at``-th proposal (1 = the first)."""
 
     def __init__(self, inner, fail_at: int):

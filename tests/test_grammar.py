@@ -21,7 +21,7 @@ from test_sampling_lossless import chi_square
 import agentspec
 from agentspec import Draft, ModelPair
 from agentspec import grammar as G
-from agentspec.drafters import ModelDrafter
+from agentspec.drafters import Drafter, ModelDrafter
 from agentspec.sampling import probabilities
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,10 +160,11 @@ def test_model_drafter_proposes_only_valid_tokens(gpair):
         assert torch.allclose(draft.q.sum(-1), torch.ones(len(draft.tokens)))
 
 
-class Crashing:
+class Crashing(Drafter):
     """Pushes a token onto the constraint's path, then fails: the loop must undo and carry on."""
 
     name = "crashing"
+    masks_own_draft = True
 
     def propose(self, seq, k, config, generator, constraint=None):
         if constraint is not None:
@@ -267,7 +268,7 @@ def exact_constrained(pair: ModelPair, prompt: list[int], grammar: G.Grammar, te
     return (p1[:, None, None] * p2[:, :, None] * p3).flatten().double()
 
 
-class Skewed:
+class Skewed(Drafter):
     """Ignores the grammar (its ``propose`` takes no constraint) and draws each token from a fixed
     q: half its mass on "[", the rest spread over the vocabulary, mostly on tokens the grammar
     forbids. It reports that q, so an invalid token with a real q must go through rejection and

@@ -26,6 +26,7 @@ import torch
 
 import agentspec
 from agentspec import Draft, ModelPair
+from agentspec.drafters import Drafter
 from agentspec.sampling import probabilities
 
 V = 16  # vocabulary
@@ -182,7 +183,7 @@ def test_plain_sampling_is_lossless_with_top_k(spair, prompts):
 # --- the statistic can fail ----------------------------------------------------------------------
 
 
-class MisreportingDrafter:
+class MisreportingDrafter(Drafter):
     """A draft-model drafter that samples its tokens correctly but may report the wrong q.
 
     report="true" is the correct drafter (a control: it must pass); the others are the mistakes

@@ -6,13 +6,7 @@ n-gram lookup in the context; ``suffix``: suffix trees over the request and earl
 """
 
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.drafters.hybrid import (
-    DraftMemory,
-    HybridDrafter,
-    HybridModelDrafter,
-    build_drafter,
-    memory_for,
-)
+from agentspec.drafters.hybrid import DraftMemories, DraftMemory, HybridDrafter, build_drafter
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 from agentspec.drafters.schedule import Calibration, ConfidenceSchedule, VerifyCost
@@ -22,15 +16,14 @@ __all__ = [
     "Calibration",
     "ConfidenceSchedule",
     "Draft",
+    "DraftMemories",
     "DraftMemory",
     "Drafter",
     "HybridDrafter",
-    "HybridModelDrafter",
     "ModelDrafter",
     "PromptLookupDrafter",
     "SuffixDrafter",
     "SuffixStore",
     "VerifyCost",
     "build_drafter",
-    "memory_for",
 ]

@@ -1,13 +1,21 @@
-"""The drafter interface: ``propose`` and ``feedback`` (after transformers' CandidateGenerator)."""
+"""The drafter interface: ``propose`` and ``feedback`` (after transformers' CandidateGenerator).
+
+Everything the decoding loop reads of a drafter is declared on ``Drafter``, with a default that
+means "not used": the loop never probes a drafter for what it can do.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentspec.config import GenerationConfig
+
+if TYPE_CHECKING:
+    from agentspec.grammar import Constraint
+    from agentspec.kv import ModelState
 
 
 @dataclass
@@ -25,22 +33,58 @@ class Draft:
     source: str | None = None
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    """A drafter may also set ``draft_cap``, its most draft tokens per pass when a call sets none."""
+class Drafter:
+    """A drafter proposes tokens for the target to verify; subclass it and define ``name`` and ``propose``.
+
+    The rest has defaults that a drafter overrides only for what it does:
+
+    - ``draft_cap``: the most draft tokens per pass when the call sets none (None: the loop's
+      ``DEFAULT_DRAFT_CAP``).
+    - ``masks_own_draft``: True when ``propose`` takes ``constraint=`` and draws its draft under
+      the grammar's mask, pushing its tokens onto the constraint's path. Only then does the loop
+      pass a constraint; otherwise it fits the draft to the grammar itself, and ``propose`` may
+      leave ``constraint`` out of its signature.
+    - ``feedback`` after each verify pass, ``reset`` at the start of a call and after a failure.
+    - ``uses_target_hidden``: True when the drafter reads the target's final hidden states (an
+      EAGLE head); the loop then hands the verified positions' rows to ``observe_hidden``.
+    - The KV-state handover with the prefix cache, for a drafter that keeps a model's KV cache in
+      step with the verified sequence: ``kv_state()`` is that state (None: nothing to cache; its
+      ``model`` keys the prefix cache's "draft" entries), ``adopt_kv_state(state)`` takes a
+      state restored from the cache in its place, and ``catch_up(ids)`` feeds what the state lacks
+      of ``ids`` before it is saved.
+    """
 
     name: str
+    draft_cap: int | None = None
+    masks_own_draft: bool = False
+    uses_target_hidden: bool = False
 
     def propose(
-        self, seq: list[int], k: int, config: GenerationConfig, generator: torch.Generator | None
+        self,
+        seq: list[int],
+        k: int,
+        config: GenerationConfig,
+        generator: torch.Generator | None,
+        constraint: Constraint | None = None,
     ) -> Draft:
         """Up to ``k`` tokens likely to follow ``seq`` (the verified prompt + output so far)."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} must define propose()")
 
     def feedback(self, seq: list[int], n_accepted: int, n_drafted: int) -> None:
-        """Called after each verify pass with the new verified sequence; may be a no-op."""
-        ...
+        """Called after each verify pass with the new verified sequence."""
 
     def reset(self) -> None:
-        """Drop any per-request state (called after a failure, and at the start of a call)."""
-        ...
+        """Drop any per-request state (called at the start of a call, and after a failure)."""
+
+    def observe_hidden(self, position: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [n, H] of the verified positions ``[position, position + n)``."""
+
+    def kv_state(self) -> ModelState | None:
+        """The KV state the prefix cache saves and restores for this drafter (None: it keeps none)."""
+        return None
+
+    def adopt_kv_state(self, state: ModelState) -> None:
+        """Continue from ``state`` (restored from the prefix cache for ``kv_state().model``)."""
+
+    def catch_up(self, ids: list[int]) -> None:
+        """Bring ``kv_state()`` up to ``ids`` (the target's cached ids) before it is saved."""

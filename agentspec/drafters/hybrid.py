@@ -11,8 +11,9 @@ draft model (or neither worth it) the pass verifies no draft. ``DecodeStats.sour
 the choices ("suffix", "model", "none").
 
 What drafting learns about a pair (the suffix tree of earlier outputs, the calibrations, the
-verify-cost curve) lives in one ``DraftMemory`` per pair (``memory_for``), shared by its calls.
-Greedy calls read and update it; sampled calls only add their outputs to the tree, and draft from
+verify-cost curve) lives in a ``DraftMemory`` held by the pair (``ModelPair.draft_memory``, one per
+namespace key: calls of one namespace share it, other namespaces never see it). Greedy calls read
+and update it; sampled calls only add their outputs to the tree, and draft from
 fresh calibrations and the default cost curve, so a seeded call never depends on earlier calls or
 on timing. Every choice is a function of the verified context (and, for sampled model drafts, of
 the draft's own distributions before each token is drawn): the output is the target's.
@@ -21,13 +22,12 @@ the draft's own distributions before each token is drawn): the output is the tar
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from agentspec.config import GenerationConfig
-from agentspec.drafters.base import Draft
+from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.schedule import (
     Calibration,
@@ -40,6 +40,7 @@ from agentspec.drafters.schedule import (
 )
 from agentspec.drafters.suffix import SuffixDrafter, SuffixStore
 from agentspec.grammar import Constraint
+from agentspec.kv import ModelState
 
 # auto's suffix candidates may run 3x the match length (the suffix drafter alone: 1x). Auto cuts
 # every candidate to its best prefix by calibrated survival and verify cost, so a longer candidate
@@ -70,38 +71,55 @@ class DraftMemory:
     cost: VerifyCost = field(default_factory=VerifyCost)
 
 
-_MEMORIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {id(draft): (ref, memory)}
-_MEMORIES_LOCK = threading.Lock()
+class DraftMemories:
+    """A pair's drafting memories, one per namespace key (``None``: the default, shared by every call
+    that names none), so a server can keep one tenant's earlier outputs out of another's drafts.
 
-
-def memory_for(pair) -> DraftMemory:
-    """The DraftMemory of the pair's (target, draft model), kept as long as the target lives.
-
-    Pairs that share a target share its tree of earlier outputs; calibrations and costs, which
-    describe a draft model, are per draft model.
+    A memory lives as long as its pair; each holds at most ``STORE_TOKENS`` output tokens, and
+    nothing bounds the number of keys: a caller with unbounded keys should reuse a fixed set. No
+    drafting state is process-wide: what is shared is the pair itself (the LangChain adapter hands
+    one loaded pair to every chat model of the same models), and with it the default namespace.
     """
-    with _MEMORIES_LOCK:
-        per_target = _MEMORIES.setdefault(pair.target, {})
-        key = None if pair.draft is None else id(pair.draft)
-        ref, memory = per_target.get(key, (None, None))
-        if memory is None or (ref is not None and ref() is not pair.draft):  # absent, or its id reused
-            others = [m for _, m in per_target.values()]
-            memory = DraftMemory(store=others[0].store) if others else DraftMemory()
-            per_target[key] = (None if pair.draft is None else weakref.ref(pair.draft), memory)
-        return memory
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._memories: dict[str | None, DraftMemory] = {}
+
+    def get(self, namespace: str | None = None) -> DraftMemory:
+        with self._lock:
+            memory = self._memories.get(namespace)
+            if memory is None:
+                memory = self._memories[namespace] = DraftMemory()
+            return memory
 
 
-class HybridDrafter:
-    """Suffix drafts, scored against a cost model; with a draft model see ``HybridModelDrafter``."""
+class HybridDrafter(Drafter):
+    """Suffix drafts, scored against a cost model, and an optional draft model behind them.
+
+    ``model`` is a ``ModelDrafter`` with a ``ConfidenceSchedule`` (``build_drafter`` makes one over
+    the memory's model calibration and cost). The hybrid hands the prefix cache the model's KV
+    state (``kv_state``), exactly as ``drafter="model"`` does; while the suffix drafts, the draft
+    model is fed the verified tokens in batches (``ModelDrafter.keep_up``).
+    """
 
     name = "auto"
     draft_cap = 16  # the schedule picks each draft's length; this only bounds it
+    masks_own_draft = True  # the draft model's tokens are drawn under the grammar's mask
 
-    def __init__(self, memory: DraftMemory | None = None, suffix: SuffixDrafter | None = None):
+    def __init__(
+        self,
+        memory: DraftMemory | None = None,
+        suffix: SuffixDrafter | None = None,
+        model: ModelDrafter | None = None,
+    ):
+        if model is not None and model.schedule is None:
+            raise ValueError("HybridDrafter: the model drafter needs a ConfidenceSchedule to weigh drafts")
         self.memory = memory if memory is not None else DraftMemory()
         if suffix is None:
             suffix = SuffixDrafter(self.memory.store, factor=CANDIDATE_FACTOR)
         self.suffix = suffix
+        self.model = model
+        self.uses_target_hidden = model is not None and model.uses_target_hidden
         self.timer = PassTimer()
         self._begin_call()
 
@@ -116,6 +134,8 @@ class HybridDrafter:
         m = self.memory
         self.calibration = m.suffix_calibration if greedy else m.suffix_calibration.fresh()
         self.cost = m.cost if greedy else m.cost.frozen()
+        if self.model is not None:
+            self.model.schedule.begin(greedy, self.cost)
 
     def suffix_draft(self, seq: list[int], k: int, greedy: bool) -> tuple[list[int], list[float], int, float]:
         """The suffix candidate's best prefix: tokens, branch frequencies, match group, yield per cost."""
@@ -127,13 +147,7 @@ class HybridDrafter:
 
     def model_yield(self, k: int) -> float:
         """Expected tokens per unit cost of a model draft now (0: no draft model)."""
-        return 0.0
-
-    def model_draft(self, seq, k, config, generator, constraint) -> Draft:
-        return Draft([])
-
-    def model_feedback(self, n_accepted: int, n_drafted: int) -> None:
-        pass
+        return 0.0 if self.model is None else self.model.schedule.projected_yield(k)
 
     def propose(
         self,
@@ -149,9 +163,11 @@ class HybridDrafter:
         if tokens and y_suffix >= self.model_yield(k):
             draft, self.choice = Draft(tokens), "suffix"
             self._branches, self._group = branches, group
-        else:
-            draft = self.model_draft(seq, k, config, generator, constraint)
+        elif self.model is not None:
+            draft = self.model.draft(seq, k, config, generator, constraint)
             self.choice = "model" if draft.tokens else "none"
+        else:
+            draft, self.choice = Draft([]), "none"
         draft.source = self.choice
         self.timer.proposed()
         return draft
@@ -162,69 +178,50 @@ class HybridDrafter:
         if self.choice == "suffix" and n_drafted == len(self._branches):  # else a grammar changed it
             self.calibration.observe(self._branches, n_accepted, [self._group] * n_drafted)
         elif self.choice == "model":
-            self.model_feedback(n_accepted, n_drafted)
+            self.model.schedule.observe(n_accepted, n_drafted)
         self.choice = None
         self.suffix.record(seq)
+        if self.model is not None:
+            self.model.keep_up(seq)  # while the suffix drafts, the draft model must not fall far behind
 
     def reset(self) -> None:
         self.suffix.reset()
         self.timer.reset()
         self._begin_call()
+        if self.model is not None:
+            self.model.reset()
+
+    def observe_hidden(self, position: int, hidden: torch.Tensor) -> None:
+        self.model.observe_hidden(position, hidden)  # called only when uses_target_hidden: a model
+
+    def kv_state(self) -> ModelState | None:
+        return None if self.model is None else self.model.kv_state()
+
+    def adopt_kv_state(self, state: ModelState) -> None:
+        self.model.adopt_kv_state(state)  # only a state restored for kv_state().model comes back
+
+    def catch_up(self, ids: list[int]) -> None:
+        if self.model is not None:
+            self.model.catch_up(ids)
 
 
-class HybridModelDrafter(HybridDrafter, ModelDrafter):
-    """``HybridDrafter`` with a confidence-scheduled draft model behind the suffix drafts.
-
-    It is a ``ModelDrafter`` (its ``state`` is the draft model's KV state), so ``stream()`` restores
-    and saves the draft's cache with the prefix cache exactly as for ``drafter="model"``. While the
-    suffix drafts, the draft model is fed the verified tokens in batches (``keep_up``).
-    """
-
-    def __init__(
-        self, model, vocab_size: int, memory: DraftMemory | None = None, suffix: SuffixDrafter | None = None
-    ):
-        memory = memory if memory is not None else DraftMemory()
-        schedule = ConfidenceSchedule(memory.model_calibration, memory.cost)
-        ModelDrafter.__init__(self, model, vocab_size, schedule)
-        HybridDrafter.__init__(self, memory, suffix)
-
-    def _begin(self, greedy: bool) -> None:
-        super()._begin(greedy)
-        self.schedule.begin(greedy, self.cost)
-
-    def model_yield(self, k: int) -> float:
-        return self.schedule.projected_yield(k)
-
-    def model_draft(self, seq, k, config, generator, constraint) -> Draft:
-        return self._draft(seq, k, config, generator, constraint)
-
-    def model_feedback(self, n_accepted: int, n_drafted: int) -> None:
-        self.schedule.observe(n_accepted, n_drafted)
-
-    def feedback(self, seq, n_accepted, n_drafted) -> None:
-        HybridDrafter.feedback(self, seq, n_accepted, n_drafted)
-        self.keep_up(seq)  # while the suffix drafts, the draft model must not fall far behind
-
-    def reset(self) -> None:
-        HybridDrafter.reset(self)
-        ModelDrafter.reset(self)
-
-
-def build_drafter(pair, name: str, memory: DraftMemory | None = None):
+def build_drafter(pair, name: str, memory: DraftMemory | None = None) -> Drafter:
     """The drafter called ``name`` for ``pair`` ("auto", "suffix", "model", "model_scheduled",
-    "prompt_lookup"); learned state comes from ``memory`` (default: the pair's own)."""
+    "prompt_lookup"); learned state comes from ``memory`` (default: the pair's default namespace)."""
     from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 
     if name == "prompt_lookup":
         return PromptLookupDrafter()
-    memory = memory if memory is not None else memory_for(pair)
+    memory = memory if memory is not None else pair.draft_memory.get()
     vocab = pair.target.config.vocab_size
     if name == "suffix":
         return SuffixDrafter(memory.store)
     if name == "auto":
-        if pair.draft is None:
-            return HybridDrafter(memory)
-        return HybridModelDrafter(pair.draft, vocab, memory)
+        model = None
+        if pair.draft is not None:
+            schedule = ConfidenceSchedule(memory.model_calibration, memory.cost)
+            model = ModelDrafter(pair.draft, vocab, schedule, name="model_scheduled")
+        return HybridDrafter(memory, model=model)
     if name in ("model", "model_scheduled"):
         if pair.draft is None:
             raise ValueError(f"drafter={name!r} needs a pair loaded with a draft_model")

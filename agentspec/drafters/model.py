@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from agentspec.config import GenerationConfig
-from agentspec.drafters.base import Draft
+from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.eagle import EagleState, is_eagle
 from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
 from agentspec.grammar import Constraint, apply_mask
@@ -42,14 +42,17 @@ def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
     return logits[..., :width]
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     name = "model"
     draft_cap = 4  # fixed length; with a schedule, 16 (the schedule stops drafts earlier)
+    masks_own_draft = True
 
     def __init__(
         self, model, vocab_size: int, schedule: ConfidenceSchedule | None = None, name: str | None = None
     ):
-        self.state = EagleState(model) if is_eagle(model) else ModelState(model)
+        # an EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_hidden``
+        self.uses_target_hidden = is_eagle(model)
+        self.state = EagleState(model) if self.uses_target_hidden else ModelState(model)
         self.vocab_size = vocab_size  # the target's logits width
         self.schedule = schedule  # None: always draft k tokens
         if schedule is not None:
@@ -62,11 +65,12 @@ class ModelDrafter:
         self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
     ) -> Draft:
         """Up to ``k`` tokens; with a ``constraint``, drawn under its mask and pushed onto its path."""
-        draft = self._draft(seq, k, config, generator, constraint)
+        draft = self.draft(seq, k, config, generator, constraint)
         self.timer.proposed()
         return draft
 
-    def _draft(self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None) -> Draft:
+    def draft(self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None) -> Draft:
+        """``propose`` without timing the pass (for a drafter that holds this one and times its own)."""
         if k <= 0:
             return Draft([])
         sched = self.schedule
@@ -117,18 +121,15 @@ class ModelDrafter:
             tokens = tokens[:n]
         return Draft(tokens, torch.stack(qs) if qs else None)
 
-    @property
-    def uses_target_hidden(self) -> bool:
-        """An EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_hidden``."""
-        return isinstance(self.state, EagleState)
-
-    @property
-    def caches_state(self) -> bool:
-        """Is the draft's KV state saved to and restored from the prefix cache (a draft model's is)?"""
-        return isinstance(self.state, ModelState)
-
     def observe_hidden(self, position: int, hidden: torch.Tensor) -> None:
         self.state.observe(position, hidden)
+
+    def kv_state(self) -> ModelState | None:
+        # an EAGLE head's cache was fed this call's target features, which the prefix cache does not keep
+        return None if self.uses_target_hidden else self.state
+
+    def adopt_kv_state(self, state: ModelState) -> None:
+        self.state = state
 
     @property
     def idle(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from agentspec.config import GenerationConfig
-from agentspec.drafters.base import Draft
+from agentspec.drafters.base import Draft, Drafter
 
 
 def lookup(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -26,7 +26,7 @@ def lookup(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> li
     return []
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     name = "prompt_lookup"
     draft_cap = 4
 
@@ -37,9 +37,3 @@ class PromptLookupDrafter:
 
     def propose(self, seq, k, config: GenerationConfig, generator) -> Draft:
         return Draft(lookup(seq, k, self.max_ngram, self.min_ngram))
-
-    def feedback(self, seq, n_accepted, n_drafted) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentspec.config import GenerationConfig
-from agentspec.drafters.base import Draft
+from agentspec.drafters.base import Draft, Drafter
 from agentspec.kv import common_prefix_len
 
 MAX_DEPTH = 32  # longest match considered (tree depth)
@@ -203,7 +203,7 @@ class SuffixStore:
         return self.index.live
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Drafts from a tree over this request (prompt + output) and the pair's tree of earlier outputs."""
 
     name = "suffix"
