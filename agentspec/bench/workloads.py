@@ -15,7 +15,7 @@ import json
 
 from agentspec.bench.conversation import SYSTEM_PROMPT, TURNS
 
-_WEATHER = json.dumps(
+WEATHER = json.dumps(
     {
         "location": {"city": "Lisbon", "country": "Portugal", "lat": 38.72, "lon": -9.14},
         "current": {"temperature_c": 21.4, "humidity": 0.63, "wind_kph": 14.0, "condition": "partly cloudy"},
@@ -26,7 +26,7 @@ _WEATHER = json.dumps(
     },
     indent=2,
 )
-_SEARCH = json.dumps(
+SEARCH = json.dumps(
     {
         "query": "python dataclass default factory",
         "results": [
@@ -46,7 +46,7 @@ _SEARCH = json.dumps(
     },
     indent=2,
 )
-_CODE = """def calc(items, tax):
+CODE = """def calc(items, tax):
     total = 0
     for item in items:
         total += item["price"] * item["qty"]
@@ -56,7 +56,7 @@ _CODE = """def calc(items, tax):
 def report(items):
     print("Total:", calc(items, 0.2))
 """
-_BUGGY = """def average(numbers):
+BUGGY = """def average(numbers):
     if not numbers:
         return 0
     total = 0
@@ -78,33 +78,33 @@ PROMPTS: list[tuple[str, str, list[dict[str, str]]]] = [
     (
         "agent_repeat_json",
         "agent",
-        _user(f"The weather tool returned this JSON:\n{_WEATHER}\nRepeat the tool result exactly, as JSON."),
+        _user(f"The weather tool returned this JSON:\n{WEATHER}\nRepeat the tool result exactly, as JSON."),
     ),
     (
         "agent_summarise_json",
         "agent",
         _user(
-            f"The weather tool returned this JSON:\n{_WEATHER}\n"
+            f"The weather tool returned this JSON:\n{WEATHER}\n"
             "Summarise the current weather and the forecast for the user."
         ),
     ),
     (
         "agent_list_titles",
         "agent",
-        _user(f"A web search returned:\n{_SEARCH}\nList every result as a bullet with its title and URL."),
+        _user(f"A web search returned:\n{SEARCH}\nList every result as a bullet with its title and URL."),
     ),
     (
         "agent_code_rename",
         "agent",
         _user(
             "Rename the function `calc` to `compute_total` everywhere in this code and return the full "
-            f"updated code:\n```python\n{_CODE}```"
+            f"updated code:\n```python\n{CODE}```"
         ),
     ),
     (
         "agent_code_fix",
         "agent",
-        _user(f"This function has a bug. Return the corrected function in full:\n```python\n{_BUGGY}```"),
+        _user(f"This function has a bug. Return the corrected function in full:\n```python\n{BUGGY}```"),
     ),
 ]
 QUICK_PROMPTS = ("chat_tips", "agent_repeat_json", "agent_summarise_json", "agent_code_rename")
