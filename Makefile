@@ -21,6 +21,8 @@ test: setup lint
 test-all: setup lint
 	$(BIN)/python -m pytest
 
-# every system side by side (quick mode, under 5 minutes on 2 cores; `agentspec bench --full` for the long run)
+# every system side by side (quick mode; `--full` on both for the long run): the single calls and the
+# roofline, then the agent loop through LangChain chat models (where LangChain is a dependency)
 bench: setup
 	$(BIN)/agentspec bench
+	$(BIN)/python -m integrations.langchain.bench

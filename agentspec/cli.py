@@ -101,7 +101,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = Settings(
         mode="full" if args.full else "quick",
         max_new_tokens=args.max_new_tokens,
-        loop_max_new_tokens=args.loop_max_new_tokens,
         repeats=args.repeats or 1,
         out=Path(args.out),
         llama_cpp=args.llama_cpp,
@@ -172,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=cmd_distill)
     b = sub.add_parser(
         "bench",
-        help="measure agentspec against transformers generate / assisted generation / prompt lookup, "
-        "ChatHuggingFace and (optionally) llama.cpp on the same work; writes JSON, Markdown and PNG",
+        help="measure agentspec against transformers generate / assisted generation / prompt lookup "
+        "and (optionally) llama.cpp on the same work; writes JSON, Markdown and PNG (the agent loop "
+        "against ChatHuggingFace: python -m integrations.langchain.bench)",
     )
     b.add_argument("--full", action="store_true", help="all 8 prompts, longer outputs (~20 min)")
     b.add_argument("--out", default="benchmarks/results/bench", help="path stem of the .json/.md/.png files")
     b.add_argument("--max-new-tokens", type=int, help="per single call (quick 24, full 96)")
-    b.add_argument("--loop-max-new-tokens", type=int, help="per agent-loop call (quick 16, full 48)")
     b.add_argument("--repeats", type=int, help="decodes per prompt and system (default 1)")
     b.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (needs llama-cpp-python)")
     b.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")

@@ -2,7 +2,7 @@
 
 Run from the repository root (about 11 minutes on 2 shared CPU cores, one thread):
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_agent_traces.py [--max-new-tokens 48] [--traces a,b]
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_agent_traces [--max-new-tokens 48] [--traces a,b]
 
 Replays the conversations of ``agent_traces.py`` (inventory x2, SQL analytics, code editing,
 document Q&A: 22 assistant turns over 300-1,100-token prompts) with the embedded pair, greedily.
@@ -54,13 +54,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_core.py
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_traces import TRACES, calls  # noqa: E402
-
 import agentspec  # noqa: E402
 from agentspec.bench.run import environment  # noqa: E402
 from agentspec.drafters import DraftMemory, HybridDrafter, build_drafter  # noqa: E402
 from agentspec.models import ModelPair  # noqa: E402
+from benchmarks.agent_traces import TRACES, calls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("none", "prompt_lookup", "suffix", "model", "model_scheduled", "auto", "auto_no_model")

@@ -2,7 +2,7 @@
 
 Run from the repository root (about 2 minutes on one thread):
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_attention.py [--contexts 300 1100] [--repeats 9]
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_attention [--contexts 300 1100] [--repeats 9]
 
 On the embedded target (SmolLM2-135M-Instruct: 9 query heads share 3 KV heads), after a cache of
 each context length, times one forward pass over n = 1, 2, 4, 8, 16 new tokens (rolled back after

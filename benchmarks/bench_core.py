@@ -2,8 +2,8 @@
 
 Run from the repository root:
 
-    python benchmarks/bench_core.py            # full: 8 prompts x 2 repeats, 128 new tokens (~17 min)
-    python benchmarks/bench_core.py --quick    # 4 prompts x 1, 48 new tokens (~3 min)
+    python -m benchmarks.bench_core            # full: 8 prompts x 2 repeats, 128 new tokens (~17 min)
+    python -m benchmarks.bench_core --quick    # 4 prompts x 1, 48 new tokens (~3 min)
 
 (Times on 2 CPU cores shared with other jobs, load average 3-4.5; an idle machine is faster.)
 

@@ -2,8 +2,8 @@
 
 Run from the repository root (about 15 minutes on 2 cores; --quick about 4):
 
-    python benchmarks/bench_distilled.py                    # the embedded target and its default draft
-    python benchmarks/bench_distilled.py --draft <folder>   # a folder written by `agentspec distill`
+    python -m benchmarks.bench_distilled                    # the embedded target and its default draft
+    python -m benchmarks.bench_distilled --draft <folder>   # a folder written by `agentspec distill`
 
 Three measurements, each on prompts no training step saw:
 
@@ -46,14 +46,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_core.py
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import PROMPTS as CORE_PROMPTS  # noqa: E402
-from bench_core import environment, verify_cost  # noqa: E402
-
 import agentspec  # noqa: E402
 from agentspec.distill.prompts import is_heldout, make_prompts, render  # noqa: E402
 from agentspec.drafters import DraftMemory, HybridDrafter  # noqa: E402
 from agentspec.drafters.eagle import is_eagle  # noqa: E402
+from benchmarks.bench_core import PROMPTS as CORE_PROMPTS  # noqa: E402
+from benchmarks.bench_core import environment, verify_cost  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_REUSE = {"prefix_cache": False}  # every call prefills its prompt: decoding alone is compared

@@ -1,11 +1,12 @@
 """Constrained tool calls and structured output: speculation and jump-forward, each on and off.
 
-    .venv/bin/python benchmarks/bench_grammar.py [--threads 1] [--out benchmarks/results/grammar.json]
+    .venv/bin/python -m benchmarks.bench_grammar [--threads 1] [--out benchmarks/results/grammar.json]
 
 On the embedded SmolLM2-135M-Instruct, greedy, through ChatSpecDecode (the real path): the 20 tool-
-calling prompts of ``tests/test_chat_grammar.py`` with ``tool_choice="any"`` (one call each) and 5
-structured-output prompts (``with_structured_output``, json_schema). Four configurations, run side
-by side for each prompt (the order rotates) so that machine noise hits them alike:
+calling prompts of ``grammar_tasks.py`` (shared with ``tests/test_chat_grammar.py``) with
+``tool_choice="any"`` (one call each) and 5 structured-output prompts (``with_structured_output``,
+json_schema). Four configurations, run side by side for each prompt (the order rotates) so that
+machine noise hits them alike:
 
 - plain: ``speculative=False, jump_forward=False``, plain constrained decoding, one token per pass
 - jump-forward only: no drafter; forced tokens appended, forced text proposed as drafts
@@ -23,19 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from test_chat_grammar import PROMPTS, STRUCTURED, TOOLS  # noqa: E402
-
-import agentspec  # noqa: E402
-from integrations.langchain import ChatSpecDecode  # noqa: E402
+import agentspec
+from benchmarks.grammar_tasks import PROMPTS, STRUCTURED, TOOLS
+from integrations.langchain import ChatSpecDecode
 
 CONFIGS = {
     "plain": {"speculative": False, "jump_forward": False},

@@ -1,6 +1,6 @@
 """Prefix cache on vs off on a multi-turn agent conversation, in one run.
 
-    python benchmarks/bench_prefix_cache.py [--max-tokens 32] [--threads N] \
+    python -m benchmarks.bench_prefix_cache [--max-tokens 32] [--threads N] \
         [--out benchmarks/results/prefix_cache.json]
 
 Replays the scripted conversation of ``agent_conversation.py`` (8 calls over a ~1,100-token

@@ -2,7 +2,7 @@
 
 Run from the repository root (about 8 minutes on 2 CPU cores for the default 500 calls):
 
-    python benchmarks/bench_soak.py [--calls 500] [--max-tokens 16] [--cache-mb 48]
+    python -m benchmarks.bench_soak [--calls 500] [--max-tokens 16] [--cache-mb 48]
 
 The calls replay the agent conversations of ``agent_traces.py`` (inventory, SQL analytics, code
 editing, document Q&A: 22 assistant turns over 300-1,100-token prompts) through the LangChain chat
@@ -32,19 +32,17 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_core.py
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_traces import TRACES, calls  # noqa: E402
-from bench_core import environment  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 
 import agentspec  # noqa: E402
+from benchmarks.agent_traces import TRACES, calls  # noqa: E402
+from benchmarks.bench_core import environment  # noqa: E402
 from integrations.langchain import ChatSpecDecode  # noqa: E402
 from integrations.langchain.tool_parsing import parse_tool_calls  # noqa: E402
 

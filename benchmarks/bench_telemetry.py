@@ -1,6 +1,6 @@
 """Telemetry: is the latency-saved estimate right, and what does tracing cost? One process run.
 
-    python benchmarks/bench_telemetry.py [--rounds 2] [--tasks 2] [--max-tokens 64] [--threads 1] \
+    python -m benchmarks.bench_telemetry [--rounds 2] [--tasks 2] [--max-tokens 64] [--threads 1] \
         [--drafter auto] [--out benchmarks/results/telemetry.json]
 
 (a) Estimate vs measurement. The agent of ``examples/agent_demo.py`` runs in rounds, each round
@@ -32,7 +32,6 @@ import dataclasses
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -44,15 +43,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import agentspec
+from agentspec.telemetry import CallTrace, calibrate, cost_model, set_cost_model
+from agentspec.telemetry import attributes as A
+from examples import agent_demo
+from integrations.langchain import ChatSpecDecode
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-import agent_demo  # noqa: E402
-
-import agentspec  # noqa: E402
-from agentspec import ChatSpecDecode  # noqa: E402
-from agentspec.telemetry import CallTrace, calibrate, cost_model, set_cost_model  # noqa: E402
-from agentspec.telemetry import attributes as A  # noqa: E402
-
 OVERHEAD_PROMPT = "Repeat exactly: the quick brown fox jumps over the lazy dog. " * 3
 
 

@@ -2,7 +2,7 @@
 
 Run from the repository root (about 5 minutes on 2 cores, 7 GB of memory):
 
-    python benchmarks/bench_verify_cost.py
+    python -m benchmarks.bench_verify_cost
 
 A verify pass feeds the target k new tokens (the last verified one and k - 1 drafted ones) and keeps a
 logits row for each. On a CPU, ``F.linear`` (``x @ W.T``) for a few rows against a large weight (the
@@ -39,12 +39,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_core.py
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import environment  # noqa: E402
-
 import agentspec  # noqa: E402
 from agentspec import kv  # noqa: E402
-from agentspec.bench.workloads import _CODE, _SEARCH, _WEATHER  # noqa: E402
+from agentspec.bench.workloads import CODE, SEARCH, WEATHER  # noqa: E402
+from benchmarks.bench_core import environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64]
@@ -173,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     print("LM head alone ...", flush=True)
     result["head_ms"] = head_alone(head, SIZES, args.repeats)
     print("whole target passes ...", flush=True)
-    ids = pair.tokenizer((_WEATHER + _CODE + _SEARCH) * 4)["input_ids"]
+    ids = pair.tokenizer((WEATHER + CODE + SEARCH) * 4)["input_ids"]
     result["pass_ms"] = whole_pass(pair.target, ids, SIZES, args.cache_len, args.repeats)
     print("single linears by size ...", flush=True)
     result["linears_by_size"] = linears_by_size([1, 2, 4, 8], 3 * args.repeats)

@@ -3,7 +3,7 @@
 Run from the repository root (about 2 minutes on one thread; ``--quick``: 40 s; no target model
 runs, except once to generate the replies that do not re-tokenize, cached in /tmp):
 
-    OMP_NUM_THREADS=1 python benchmarks/sim_drafters.py [--quick] [--out benchmarks/results/sim_drafters.json]
+    OMP_NUM_THREADS=1 python -m benchmarks.sim_drafters [--quick] [--out benchmarks/results/sim_drafters.json]
 
 What it does. ``bench_agent_traces.py`` recorded, for every assistant turn of ``agent_traces.py``
 (22 turns, 5 traces, 4 domains), the target's greedy reply (``output_text`` in
@@ -59,15 +59,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_traces import TRACES, calls  # noqa: E402
-
-from agentspec.config import GenerationConfig  # noqa: E402
-from agentspec.drafters import hybrid  # noqa: E402
-from agentspec.drafters.hybrid import DraftMemory, HybridDrafter  # noqa: E402
-from agentspec.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
-from agentspec.drafters.schedule import Calibration, VerifyCost  # noqa: E402
-from agentspec.drafters.suffix import (  # noqa: E402
+from agentspec.config import GenerationConfig
+from agentspec.drafters import hybrid
+from agentspec.drafters.hybrid import DraftMemory, HybridDrafter
+from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+from agentspec.drafters.schedule import Calibration, VerifyCost
+from agentspec.drafters.suffix import (
     FACTOR,
     FLOOR,
     MAX_DEPTH,
@@ -75,6 +72,7 @@ from agentspec.drafters.suffix import (  # noqa: E402
     Candidate,
     SuffixDrafter,
 )
+from benchmarks.agent_traces import TRACES, calls
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks/results/agent_traces.json"

@@ -1,14 +1,18 @@
-"""``agentspec bench``: its workloads, its arithmetic, and (slow) a whole short run on the real pair."""
+"""``agentspec bench`` and the LangChain agent loop beside it (``integrations/langchain/bench.py``):
+their workloads, their arithmetic, and (slow) a whole short run of both on the real pair."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
 from agentspec.bench import report, roofline, workloads
 from agentspec.bench.run import Settings, run
+from integrations.langchain import bench as loop_bench
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +30,15 @@ def test_acceptance_by_position():
     assert report.acceptance_by_position(passes, 4) == [3 / 4, 1 / 3, 1 / 2, None]
 
 
+def test_the_core_bench_imports_no_langchain():
+    code = "import agentspec.bench.run, sys; print([m for m in sys.modules if m.startswith('langchain')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 def test_the_agent_loop_is_8_tool_calling_calls_over_a_long_prefix(smol_tokenizer):
-    calls = workloads.agent_loop()
+    assert all(isinstance(m, dict) for c in workloads.agent_loop() for m in c)  # the core's: plain dicts
+    calls = loop_bench.loop_calls()
     assert len(calls) == 8
     for i, messages in enumerate(calls):
         assert isinstance(messages[0], SystemMessage)
@@ -38,7 +49,7 @@ def test_the_agent_loop_is_8_tool_calling_calls_over_a_long_prefix(smol_tokenize
         [{"role": "system", "content": calls[0][0].content}], return_dict=True
     )["input_ids"]
     assert len(ids) >= 1000
-    plain = workloads.without_tool_messages(calls[-1])
+    plain = loop_bench.without_tool_messages(calls[-1])
     assert not any(isinstance(m, ToolMessage) for m in plain)
     assert isinstance(plain[-1], HumanMessage) and plain[-1].content.startswith("Tool result: ")
     written = [m.content for m in plain if isinstance(m, AIMessage) and "<tool_call>" in m.content]
@@ -62,19 +73,23 @@ def test_goals_report_every_figure_met_or_not():
         "agent": {"agentspec auto": {"speedup_vs_generate": 2.5}},
     }
     loop = {"speedup_vs_ChatHuggingFace": {"agentspec full": 4.2}}
-    got = {g["goal"].split(":")[0]: (g["measured"], g["met"]) for g in report.goals(single, loop)}
+    rows = report.goals(single) + loop_bench.goals(loop)
+    got = {g["goal"].split(":")[0]: (g["measured"], g["met"]) for g in rows}
     assert got == {"agent loop": (4.2, True), "single calls": (1.1, False), "agent turns": (2.5, True)}
-    assert [g["met"] for g in report.goals({"all": {}}, {})] == [False] * 3  # not measured: not met
+    unmeasured = report.goals({"all": {}}) + loop_bench.goals({})
+    assert [g["met"] for g in unmeasured] == [False] * 3  # not measured: not met
 
 
 @pytest.mark.slow
 @pytest.mark.model
 def test_a_short_run_writes_json_markdown_and_plots(tmp_path):
-    out = tmp_path / "bench"
-    result = run(Settings(mode="quick", max_new_tokens=8, loop_max_new_tokens=6, out=out))
+    out, loop_out = tmp_path / "bench", tmp_path / "bench_agent_loop"
+    result = run(Settings(mode="quick", max_new_tokens=8, out=out))
+    loop = loop_bench.run(loop_out, loop_max_new_tokens=6)
     assert all(result["single"]["identical_to_generate"].values()), result["single"]["identical_to_generate"]
-    assert result["loop"]["full_equals_baseline"]
-    assert set(result["loop"]["total_seconds"]) == {"agentspec full", "agentspec baseline", "ChatHuggingFace"}
-    assert json.loads(out.with_suffix(".json").read_text())["goals"] == result["goals"]
-    assert "## Goals" in out.with_suffix(".md").read_text()
-    assert all((tmp_path / p).exists() for p in result["plots"])
+    assert loop["loop"]["full_equals_baseline"]
+    assert set(loop["loop"]["total_seconds"]) == {"agentspec full", "agentspec baseline", "ChatHuggingFace"}
+    for o, r in ((out, result), (loop_out, loop)):
+        assert json.loads(o.with_suffix(".json").read_text())["goals"] == r["goals"]
+        assert "## Goals" in o.with_suffix(".md").read_text()
+        assert all((tmp_path / p).exists() for p in r["plots"])

@@ -1,13 +1,16 @@
-"""From raw measurements to figures: summaries, goals, a Markdown table and PNG plots."""
+"""From raw measurements to figures: summaries, goals, a Markdown table and PNG plots.
+
+The agent loop's summary, goal and plot live with its rows (``integrations/langchain/bench.py``),
+which reuse ``goal_rows``, ``fmt`` and ``finish_plot``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-# The goals of issue 9, as (key, what, threshold): ratios measured in the same run.
+# The single-call goals of issue 9, as (key, what, threshold): ratios measured in the same run.
 GOALS = (
-    ("loop_vs_chat_huggingface", "agent loop: agentspec full vs ChatHuggingFace, end to end", 4.0),
     ("single_vs_assisted", "single calls: agentspec auto vs transformers assisted (same draft)", 1.3),
     ("agent_turns_vs_generate", "agent turns: agentspec auto vs plain transformers generate()", 2.0),
 )
@@ -48,26 +51,8 @@ def summarise_single(rows: list[dict[str, Any]], systems: list[str]) -> dict[str
     return out
 
 
-def summarise_loop(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
-    totals = {s: sum(r["systems"][s]["seconds"] for r in rows) for s in systems}
-    out: dict[str, Any] = {"calls": len(rows), "total_seconds": totals}
-    for ref in ("ChatHuggingFace", "agentspec baseline"):
-        if ref in totals:
-            out[f"speedup_vs_{ref}"] = {s: totals[ref] / totals[s] for s in systems}
-    out["full_equals_baseline"] = all(
-        r["systems"]["agentspec full"]["text"] == r["systems"]["agentspec baseline"]["text"] for r in rows
-    )
-    return out
-
-
-def goals(single: dict[str, Any], loop: dict[str, Any]) -> list[dict[str, Any]]:
-    measured = {
-        "loop_vs_chat_huggingface": (loop.get("speedup_vs_ChatHuggingFace") or {}).get("agentspec full"),
-        "single_vs_assisted": single["all"].get("agentspec auto", {}).get("speedup_vs_assisted"),
-        "agent_turns_vs_generate": single.get("agent", {})
-        .get("agentspec auto", {})
-        .get("speedup_vs_generate"),
-    }
+def goal_rows(goals: tuple[tuple[str, str, float], ...], measured: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per goal: what, its threshold, the measured figure (None: not measured) and whether met."""
     return [
         {
             "goal": what,
@@ -75,11 +60,21 @@ def goals(single: dict[str, Any], loop: dict[str, Any]) -> list[dict[str, Any]]:
             "measured": measured[key],
             "met": measured[key] is not None and measured[key] >= t,
         }
-        for key, what, t in GOALS
+        for key, what, t in goals
     ]
 
 
-def _fmt(x: Any, digits: int = 2) -> str:
+def goals(single: dict[str, Any]) -> list[dict[str, Any]]:
+    measured = {
+        "single_vs_assisted": single["all"].get("agentspec auto", {}).get("speedup_vs_assisted"),
+        "agent_turns_vs_generate": single.get("agent", {})
+        .get("agentspec auto", {})
+        .get("speedup_vs_generate"),
+    }
+    return goal_rows(GOALS, measured)
+
+
+def fmt(x: Any, digits: int = 2) -> str:
     if x is None:
         return "n/a"
     if isinstance(x, float):
@@ -87,29 +82,34 @@ def _fmt(x: Any, digits: int = 2) -> str:
     return str(x)
 
 
+def where(env: dict[str, Any]) -> str:
+    """The model, machine and commit a run measured, for a report's first line."""
+    return (
+        f"{env['model']} on {env['cpu_model']} ({env['device']}, {env['dtype']}, "
+        f"{env['torch_threads']} threads), commit {env.get('git_commit') or '?'}"
+        f"{' (dirty)' if env.get('git_dirty_paths') else ''}"
+    )
+
+
+def goals_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The "## Goals" section's lines, a table of ``goal_rows``."""
+    lines = ["## Goals", "", "| goal | needed | measured | met |", "| --- | --- | --- | --- |"]
+    for g in rows:
+        lines.append(
+            f"| {g['goal']} | {g['threshold']:.1f}x | {fmt(g['measured'])}x | {'yes' if g['met'] else 'no'} |"
+        )
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
-    env, single, loop = result["environment"], result["single"], result["loop"]
-    settings = result["settings"]
+    single, settings = result["single"], result["settings"]
     lines = [
         "# agentspec bench",
         "",
-        f"{env['model']} on {env['cpu_model']} ({env['device']}, {env['dtype']}, "
-        f"{env['torch_threads']} threads), commit {env.get('git_commit') or '?'}"
-        f"{' (dirty)' if env.get('git_dirty_paths') else ''}; mode {settings['mode']}, "
-        f"{settings['max_new_tokens']} new tokens per single call, {settings['loop_max_new_tokens']} per "
-        "agent-loop call. Greedy throughout; systems interleaved per prompt and per call.",
+        f"{where(result['environment'])}; mode {settings['mode']}, {settings['max_new_tokens']} new "
+        "tokens per single call. Greedy throughout; systems interleaved per prompt.",
         "",
-        "## Goals",
-        "",
-        "| goal | needed | measured | met |",
-        "| --- | --- | --- | --- |",
-    ]
-    for g in result["goals"]:
-        lines.append(
-            f"| {g['goal']} | {g['threshold']:.1f}x | {_fmt(g['measured'])}x | "
-            f"{'yes' if g['met'] else 'no'} |"
-        )
-    lines += [
+        *goals_table(result["goals"]),
         "",
         "## Single calls (tokens/s; speed-up = time of the reference / time of the row)",
         "",
@@ -120,26 +120,10 @@ def markdown(result: dict[str, Any]) -> str:
     for s in result["single_systems"]:
         chat, agent, allp = (single.get(k, {}).get(s, {}) for k in ("chat", "agent", "all"))
         lines.append(
-            f"| {s} | {_fmt(chat.get('tokens_per_s'), 1)} | {_fmt(agent.get('tokens_per_s'), 1)} | "
-            f"{_fmt(agent.get('speedup_vs_generate'))}x | {_fmt(allp.get('speedup_vs_assisted'))}x | "
+            f"| {s} | {fmt(chat.get('tokens_per_s'), 1)} | {fmt(agent.get('tokens_per_s'), 1)} | "
+            f"{fmt(agent.get('speedup_vs_generate'))}x | {fmt(allp.get('speedup_vs_assisted'))}x | "
             f"{'yes' if single['identical_to_generate'][s] else 'NO'} |"
         )
-    lines += ["", f"## Agent loop ({loop['calls']} calls over a growing ~1,200-token prefix)", ""]
-    lines += [
-        "| system | total s | vs ChatHuggingFace | vs agentspec baseline |",
-        "| --- | --- | --- | --- |",
-    ]
-    for s, total in loop["total_seconds"].items():
-        vs_hf = (loop.get("speedup_vs_ChatHuggingFace") or {}).get(s)
-        vs_base = (loop.get("speedup_vs_agentspec baseline") or {}).get(s)
-        lines.append(f"| {s} | {total:.1f} | {_fmt(vs_hf)}x | {_fmt(vs_base)}x |")
-    lines.append("")
-    lines.append(
-        f"agentspec full's replies equal the baseline's: {'yes' if loop['full_equals_baseline'] else 'NO'}. "
-        "ChatHuggingFace takes no tool messages: it gets each tool call as `<tool_call>` text in the "
-        "assistant's turn and each result as a user message (`Tool result: ...`), so its prompts and "
-        "replies differ a little from the others'."
-    )
     if result.get("llama_cpp"):
         lc = result["llama_cpp"]
         lines += ["", "## llama.cpp (outside reference, not mixed into the rows above)", ""]
@@ -177,7 +161,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _finish(fig, ax, title: str, xlabel: str | None, ylabel: str, path: Path) -> Path:
+def finish_plot(fig, ax, title: str, xlabel: str | None, ylabel: str, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     if xlabel:
@@ -206,14 +190,7 @@ def plots(result: dict[str, Any], folder: Path, stem: str) -> list[Path]:
         ax.bar([i + (j - 0.5) * width for i in range(len(systems))], vals, width, label=f"{kind} prompts")
     ax.set_xticks(range(len(systems)), [s.replace(" ", "\n", 1) for s in systems], fontsize=8)
     title, path = "Single calls: tokens/s per system", folder / f"{stem}_tokens_per_s.png"
-    paths.append(_finish(fig, ax, title, None, "tokens/s (single calls, greedy)", path))
-
-    loop = result["loop_rows"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for s in result["loop"]["total_seconds"]:
-        ax.plot(range(1, len(loop) + 1), [r["systems"][s]["seconds"] for r in loop], marker="o", label=s)
-    title, path = "Per-call latency across the agent loop", folder / f"{stem}_agent_loop.png"
-    paths.append(_finish(fig, ax, title, "call in the agent loop", "seconds", path))
+    paths.append(finish_plot(fig, ax, title, None, "tokens/s (single calls, greedy)", path))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for s, rates in single["acceptance_by_position"].items():
@@ -221,5 +198,5 @@ def plots(result: dict[str, Any], folder: Path, stem: str) -> list[Path]:
         ax.plot(xs, [r for r in rates if r is not None], marker=".", label=s)
     ax.set_ylim(0, 1)
     title, path = "Acceptance by draft position (single calls)", folder / f"{stem}_acceptance.png"
-    paths.append(_finish(fig, ax, title, "draft position", "P(accepted | drafted)", path))
+    paths.append(finish_plot(fig, ax, title, "draft position", "P(accepted | drafted)", path))
     return paths

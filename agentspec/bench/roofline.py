@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from agentspec.bench.workloads import _CODE, _SEARCH, _WEATHER
+from agentspec.bench.workloads import CODE, SEARCH, WEATHER
 from agentspec.drafters.eagle import is_eagle
 from agentspec.kv import ModelState
 
@@ -92,13 +92,13 @@ def eagle_step_ms(head, cache_len: int, repeats: int) -> list[float]:
             synchronize(head.device)
             if r:
                 times.append((time.perf_counter() - t0) * 1e3)
-            cache.crop(cache_len)
+            cache.crop(cache_len - cache.get_seq_length())  # transformers 5.x: a count to remove
     return times
 
 
 def verify_cost(model, tokenizer, sizes: list[int], cache_len: int, repeats: int) -> dict[str, Any]:
     """Median time of one forward pass over k new tokens after a cache_len-token cache, per k."""
-    text = (_WEATHER + _CODE + _SEARCH) * 4
+    text = (WEATHER + CODE + SEARCH) * 4
     ids = tokenizer(text)["input_ids"]
     assert len(ids) >= cache_len + max(sizes), f"{len(ids)=} too short"
     prefix, new = ids[:cache_len], ids[cache_len : cache_len + max(sizes)]

@@ -3,12 +3,13 @@
 1. Single calls on chat prompts and agent turns (``workloads.PROMPTS``): transformers ``generate``,
    assisted generation with the pair's draft, prompt lookup, and agentspec with each drafter; each
    row's tokens are compared with ``generate``'s.
-2. The agent loop (``workloads.agent_loop``, 8 calls): agentspec full, agentspec baseline and
-   ``ChatHuggingFace``, each call's systems in a rotating order.
-3. llama.cpp on the embedded GGUF file, when asked for and installed (reported apart).
-4. The roofline: read bandwidth, bytes per step, step times and the verify-cost curve.
+2. llama.cpp on the embedded GGUF file, when asked for and installed (reported apart).
+3. The roofline: read bandwidth, bytes per step, step times and the verify-cost curve.
 
 Writes ``<out>.json`` (every figure and the environment), ``<out>.md`` and PNG plots beside them.
+The agent loop through LangChain chat models (``workloads.agent_loop``: agentspec full and baseline
+against ``ChatHuggingFace``) is ``python -m integrations.langchain.bench``, where LangChain is a
+dependency; ``make bench`` runs both.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from agentspec.models import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_WHEEL, cache_ho
 class Settings:
     mode: str = "quick"  # "quick" (under 5 minutes on 2 CPU cores) or "full"
     max_new_tokens: int | None = None  # per single call (quick 24, full 96)
-    loop_max_new_tokens: int | None = None  # per agent-loop call (quick 16, full 48)
     repeats: int = 1  # decodes of each prompt per system
     out: Path = Path("benchmarks/results/bench")
     llama_cpp: bool = False
@@ -48,7 +48,6 @@ class Settings:
         return Settings(
             self.mode,
             self.max_new_tokens or (24 if quick else 96),
-            self.loop_max_new_tokens or (16 if quick else 48),
             self.repeats,
             Path(self.out),
             self.llama_cpp,
@@ -57,7 +56,6 @@ class Settings:
 
 
 def environment(pair) -> dict[str, Any]:
-    import langchain_core
     import transformers
 
     cpu = platform.processor() or ""
@@ -87,7 +85,6 @@ def environment(pair) -> dict[str, Any]:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "langchain_core": langchain_core.__version__,
         "agentspec": agentspec.__version__,
         "model": pair.name,
         "draft_model": pair.draft_name,
@@ -139,31 +136,6 @@ def single_calls(pair, prompts, names: list[str], settings: Settings, bar) -> li
     return rows
 
 
-def agent_loop(pair, chat_models: dict[str, Any], bar) -> list[dict[str, Any]]:
-    rows = []
-    names = list(chat_models)
-    for j, messages in enumerate(workloads.agent_loop()):
-        row: dict[str, Any] = {"call": j, "systems": {}}
-        s0 = j % len(names)
-        for s in names[s0:] + names[:s0]:
-            model = chat_models[s]
-            given = workloads.without_tool_messages(messages) if s == "ChatHuggingFace" else messages
-            t0 = time.perf_counter()
-            reply = model.invoke(given)
-            seconds = time.perf_counter() - t0
-            usage = reply.usage_metadata or {}
-            row["systems"][s] = {
-                "seconds": seconds,
-                "text": reply.content,
-                "prompt_tokens": usage.get("input_tokens"),
-                "cached_tokens": (usage.get("input_token_details") or {}).get("cache_read"),
-                "output_tokens": usage.get("output_tokens"),
-            }
-            bar.update(1)
-        rows.append(row)
-    return rows
-
-
 def run_llama_cpp(pair, prompts, settings: Settings, single_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """llama.cpp on the embedded target's GGUF file (Q4_1: it reads about a quarter of the bytes of
     the float32 weights the transformers rows use, which are those Q4_1 weights dequantised), greedy,
@@ -208,6 +180,16 @@ def default_gguf() -> Path:
     return path
 
 
+def warm_up(pair, names: list[str]) -> None:
+    """Every code path of the named systems once (allocator, kernels, lazy imports), untimed, each
+    agentspec system with a drafting memory of its own."""
+    warm = prompt_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
+    for s in names:
+        systems.run_single(
+            pair, s, warm, 4, systems.own_drafter(pair, s) if s.startswith("agentspec") else None
+        )
+
+
 def run(settings: Settings) -> dict[str, Any]:
     settings = settings.resolved()
     t_start = time.perf_counter()
@@ -215,39 +197,26 @@ def run(settings: Settings) -> dict[str, Any]:
     env = environment(pair)
     prompts = [p for p in workloads.PROMPTS if settings.mode == "full" or p[0] in workloads.QUICK_PROMPTS]
     names = systems.single_call_systems(pair)
-    chat_models = systems.loop_systems(pair, settings.loop_max_new_tokens, cache_bytes=1 << 30)
-    n_loop = len(workloads.agent_loop())
-    total = len(prompts) * len(names) * settings.repeats + n_loop * len(chat_models) + 1
-    warm = prompt_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
-    for s in names:  # every code path once (allocator, kernels, lazy imports), untimed
-        systems.run_single(
-            pair, s, warm, 4, systems.own_drafter(pair, s) if s.startswith("agentspec") else None
-        )
+    total = len(prompts) * len(names) * settings.repeats + 1
+    warm_up(pair, names)
     with tqdm(total=total, desc="agentspec bench", unit="run") as bar:
         bar.set_postfix_str("single calls")
         single_rows = single_calls(pair, prompts, names, settings, bar)
-        bar.set_postfix_str("agent loop")
-        loop_rows = agent_loop(pair, chat_models, bar)
         bar.set_postfix_str("roofline")
         quick = settings.mode == "quick"
         roof = roofline.roofline(pair, [1, 2, 4, 8, 16], repeats=5 if quick else 15)
         bar.update(1)
     llama = run_llama_cpp(pair, prompts, settings, single_rows) if settings.llama_cpp else None
     single = report.summarise_single(single_rows, names)
-    loop = report.summarise_loop(loop_rows, list(chat_models))
-    if "ChatHuggingFace" not in chat_models:
-        loop["note"] = "ChatHuggingFace skipped: langchain-huggingface is not installed"
     result = {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
         "environment": env,
         "single_systems": names,
         "single": single,
         "single_rows": single_rows,
-        "loop": loop,
-        "loop_rows": loop_rows,
         "roofline": roof,
         "llama_cpp": llama,
-        "goals": report.goals(single, loop),
+        "goals": report.goals(single),
         "wall_s": time.perf_counter() - t_start,
     }
     out = settings.out

@@ -5,11 +5,9 @@ generation with the pair's draft model (``assistant_model=``) and with prompt lo
 (``prompt_lookup_num_tokens=``), and agentspec with each drafter. All greedy, all from a cold
 prompt (agentspec with ``prefix_cache=False``), so their tokens must agree.
 
-The agent loop's systems are LangChain chat models, called with a conversation's messages:
-agentspec full (``ChatSpecDecode()`` defaults: the auto drafter and the prefix cache), agentspec
-baseline (``speculative=False, prefix_cache=False``: the same loop as a plain local model), and
-``ChatHuggingFace`` over a transformers pipeline on the same loaded target. llama.cpp
-(``llama-cpp-python``, an optional extra) runs the same GGUF file as an outside reference.
+llama.cpp (``llama-cpp-python``, an optional extra) runs the same GGUF file as an outside
+reference. The agent loop's systems are LangChain chat models: they live with the LangChain
+integration (``integrations/langchain/bench.py``).
 """
 
 from __future__ import annotations
@@ -92,43 +90,6 @@ def run_single(pair, system: str, ids: list[int], max_new_tokens: int, drafter=N
             passes.append((step.drafted, step.accepted))
     synchronize(pair.device)
     return Call(system, tokens, time.perf_counter() - t0, passes)
-
-
-def chat_huggingface(pair, max_new_tokens: int):
-    """``ChatHuggingFace`` over a local ``HuggingFacePipeline`` on the pair's loaded target; None when
-    ``langchain-huggingface`` is not installed."""
-    try:
-        from langchain_huggingface import ChatHuggingFace, HuggingFacePipeline
-    except ImportError:
-        return None
-    from transformers import pipeline
-
-    pipe = pipeline(
-        "text-generation",
-        model=pair.target,
-        tokenizer=pair.tokenizer,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        return_full_text=False,
-    )
-    return ChatHuggingFace(llm=HuggingFacePipeline(pipeline=pipe), tokenizer=pair.tokenizer)
-
-
-def loop_systems(pair, max_new_tokens: int, cache_bytes: int) -> dict[str, Any]:
-    """The agent loop's chat models by name (ChatHuggingFace only when installed)."""
-    from integrations.langchain import ChatSpecDecode
-
-    systems: dict[str, Any] = {
-        # its own prefix cache, empty at the start of the loop: nothing carried over from other work
-        "agentspec full": ChatSpecDecode(pair=pair, max_tokens=max_new_tokens, prefix_cache=cache_bytes),
-        "agentspec baseline": ChatSpecDecode(
-            pair=pair, max_tokens=max_new_tokens, speculative=False, prefix_cache=False
-        ),
-    }
-    hf = chat_huggingface(pair, max_new_tokens)
-    if hf is not None:
-        systems["ChatHuggingFace"] = hf
-    return systems
 
 
 def llama_cpp(gguf_path: str, threads: int):

@@ -4,18 +4,18 @@
 turns whose answer copies from its context (a tool result to repeat, summarise or list; code to
 edit), as an agent's turns often do. ``agent_loop`` is a tool-calling conversation over the
 ~1,200-token system prompt of ``conversation.py``: four user requests, each answered by a tool call,
-its result, then an answer, so 8 model calls whose prompts share a growing prefix.
+its result, then an answer, so 8 model calls whose prompts share a growing prefix. Messages are
+OpenAI-format dicts (role, content, tool_calls, tool_call_id): the LangChain agent-loop rows
+(``integrations/langchain/bench.py``) convert them to LangChain messages.
 """
 
 from __future__ import annotations
 
 import json
 
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
-
 from agentspec.bench.conversation import SYSTEM_PROMPT, TURNS
 
-_WEATHER = json.dumps(
+WEATHER = json.dumps(
     {
         "location": {"city": "Lisbon", "country": "Portugal", "lat": 38.72, "lon": -9.14},
         "current": {"temperature_c": 21.4, "humidity": 0.63, "wind_kph": 14.0, "condition": "partly cloudy"},
@@ -26,7 +26,7 @@ _WEATHER = json.dumps(
     },
     indent=2,
 )
-_SEARCH = json.dumps(
+SEARCH = json.dumps(
     {
         "query": "python dataclass default factory",
         "results": [
@@ -46,7 +46,7 @@ _SEARCH = json.dumps(
     },
     indent=2,
 )
-_CODE = """def calc(items, tax):
+CODE = """def calc(items, tax):
     total = 0
     for item in items:
         total += item["price"] * item["qty"]
@@ -56,7 +56,7 @@ _CODE = """def calc(items, tax):
 def report(items):
     print("Total:", calc(items, 0.2))
 """
-_BUGGY = """def average(numbers):
+BUGGY = """def average(numbers):
     if not numbers:
         return 0
     total = 0
@@ -78,33 +78,33 @@ PROMPTS: list[tuple[str, str, list[dict[str, str]]]] = [
     (
         "agent_repeat_json",
         "agent",
-        _user(f"The weather tool returned this JSON:\n{_WEATHER}\nRepeat the tool result exactly, as JSON."),
+        _user(f"The weather tool returned this JSON:\n{WEATHER}\nRepeat the tool result exactly, as JSON."),
     ),
     (
         "agent_summarise_json",
         "agent",
         _user(
-            f"The weather tool returned this JSON:\n{_WEATHER}\n"
+            f"The weather tool returned this JSON:\n{WEATHER}\n"
             "Summarise the current weather and the forecast for the user."
         ),
     ),
     (
         "agent_list_titles",
         "agent",
-        _user(f"A web search returned:\n{_SEARCH}\nList every result as a bullet with its title and URL."),
+        _user(f"A web search returned:\n{SEARCH}\nList every result as a bullet with its title and URL."),
     ),
     (
         "agent_code_rename",
         "agent",
         _user(
             "Rename the function `calc` to `compute_total` everywhere in this code and return the full "
-            f"updated code:\n```python\n{_CODE}```"
+            f"updated code:\n```python\n{CODE}```"
         ),
     ),
     (
         "agent_code_fix",
         "agent",
-        _user(f"This function has a bug. Return the corrected function in full:\n```python\n{_BUGGY}```"),
+        _user(f"This function has a bug. Return the corrected function in full:\n```python\n{BUGGY}```"),
     ),
 ]
 QUICK_PROMPTS = ("chat_tips", "agent_repeat_json", "agent_summarise_json", "agent_code_rename")
@@ -136,35 +136,20 @@ LOOP_STEPS = [
 ]
 
 
-def agent_loop() -> list[list[BaseMessage]]:
+def agent_loop() -> list[list[dict]]:
     """The messages of each of the loop's 8 calls: a user request (the model should call a tool),
     then the call and its result (the model should answer), for each of the 4 requests."""
     users = [text for role, text in TURNS if role == "user"]
     results = [text for role, text in TURNS if role == "tool"]
-    history: list[BaseMessage] = [SystemMessage(SYSTEM_PROMPT)]
+    history: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
     calls = []
     for i, ((name, args), answer) in enumerate(LOOP_STEPS):
-        history.append(HumanMessage(users[i]))
+        history.append({"role": "user", "content": users[i]})
         calls.append(list(history))
         call_id = f"call_{i}"
-        history.append(AIMessage("", tool_calls=[{"name": name, "args": args, "id": call_id}]))
-        history.append(ToolMessage(results[i], tool_call_id=call_id))
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        history.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        history.append({"role": "tool", "content": results[i], "tool_call_id": call_id})
         calls.append(list(history))
-        history.append(AIMessage(answer))
+        history.append({"role": "assistant", "content": answer})
     return calls
-
-
-def without_tool_messages(messages: list[BaseMessage]) -> list[BaseMessage]:
-    """The same conversation for a chat model that takes no tool messages (``ChatHuggingFace``
-    raises on them): a call is written in the assistant's turn as the system prompt asks
-    (``<tool_call>{...}</tool_call>``), and its result comes as a user message."""
-    out: list[BaseMessage] = []
-    for m in messages:
-        if isinstance(m, AIMessage) and m.tool_calls:
-            body = [json.dumps({"name": c["name"], "arguments": c["args"]}) for c in m.tool_calls]
-            out.append(AIMessage("".join(f"<tool_call>{b}</tool_call>" for b in body)))
-        elif isinstance(m, ToolMessage):
-            out.append(HumanMessage(f"Tool result: {m.content}"))
-        else:
-            out.append(m)
-    return out
