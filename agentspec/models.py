@@ -29,6 +29,7 @@ import torch
 
 from agentspec.attention import use_grouped_sdpa
 from agentspec.drafters.health import DraftHealth
+from agentspec.telemetry.latency import LatencyModel
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,8 @@ class ModelPair:
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     # drafters that keep failing sit out a cool-down of calls (agentspec.drafters.health)
     draft_health: DraftHealth = field(default_factory=DraftHealth, repr=False, compare=False)
+    # what the target's passes cost here, for telemetry's latency-saved estimate (agentspec.telemetry)
+    latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
