@@ -534,3 +534,15 @@ def test_a_plain_call_saves_about_nothing(chat_pair, otel):
     a = _one_span(exporter).attributes
     assert a[A.USAGE_OUTPUT_TOKENS] == 40 and a[A.DRAFT_TOKENS] == 0
     assert abs(a[A.LATENCY_SAVED]) < 0.35 * a[A.DECODE_TIME], (a[A.BASELINE_ESTIMATE], a[A.DECODE_TIME])
+
+
+def test_a_plain_call_saves_about_nothing_from_the_prior(chat_pair, otel):
+    """With no calibration, the call's own passes rescale the prior before its estimate is made."""
+    exporter, _, providers = otel
+    fresh = ModelPair(target=chat_pair.target, tokenizer=chat_pair.tokenizer, name="tiny-smol")
+    assert cost_model(fresh).source == "prior"
+    llm = ChatSpecDecode(pair=fresh, max_tokens=40, speculative=False, prefix_cache=False, **providers)
+    llm.invoke("A prompt of some length for the prefill to matter. " * 8)
+    a = _one_span(exporter).attributes
+    assert a[A.COST_SOURCE] == "observed" and a[A.USAGE_OUTPUT_TOKENS] == 40
+    assert abs(a[A.LATENCY_SAVED]) < 0.35 * a[A.DECODE_TIME], (a[A.BASELINE_ESTIMATE], a[A.DECODE_TIME])
