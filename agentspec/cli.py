@@ -146,6 +146,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "calibrate", help="time the target's passes and print the latency-saved estimate's cost model (JSON)"
+    )
+    c.add_argument("--model", default=None, help="target: hub id, folder or .gguf (default: embedded)")
+    c.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
+    c.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    c.add_argument("--out", help="also write the JSON here")
+    c.set_defaults(func=cmd_calibrate)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -216,14 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (needs llama-cpp-python)")
     b.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
     b.set_defaults(func=cmd_bench)
-    c = sub.add_parser(
-        "calibrate", help="time the target's passes and print the latency-saved estimate's cost model (JSON)"
-    )
-    c.add_argument("--model", default=None, help="target: hub id, folder or .gguf (default: embedded)")
-    c.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
-    c.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    c.add_argument("--out", help="also write the JSON here")
-    c.set_defaults(func=cmd_calibrate)
+    _add_calibrate(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
