@@ -1,4 +1,4 @@
-"""`agentspec` command line: fetch the default model, answer a prompt, run the demo, distill, bench."""
+"""`agentspec` command line: fetch the model, answer a prompt, run the demo, distill, bench, calibrate."""
 
 from __future__ import annotations
 
@@ -112,6 +112,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if all(result["single"]["identical_to_generate"].values()) else 1
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Time the target's passes now and print the fitted latency-saved cost model as JSON.
+
+    Tracing never calibrates (its estimate starts from a prior and learns from the passes calls
+    make); an app that wants the fit from its first call installs this file's model:
+    ``set_cost_model(pair, CostModel(**json.load(f)["cost_model"]))`` (same thread count).
+    """
+    import json
+
+    import torch
+
+    from agentspec import load_pair
+    from agentspec.telemetry import calibrate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pair = load_pair(args.model, draft_model=False, device=args.device)
+    t0 = time.perf_counter()
+    cost = calibrate(pair)
+    result = {
+        "model": pair.name,
+        "device": str(pair.device),
+        "threads": torch.get_num_threads(),
+        "calibration_s": time.perf_counter() - t0,
+        "cost_model": cost.as_dict(),
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "calibrate", help="time the target's passes and print the latency-saved estimate's cost model (JSON)"
+    )
+    c.add_argument("--model", default=None, help="target: hub id, folder or .gguf (default: embedded)")
+    c.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
+    c.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    c.add_argument("--out", help="also write the JSON here")
+    c.set_defaults(func=cmd_calibrate)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (needs llama-cpp-python)")
     b.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
     b.set_defaults(func=cmd_bench)
+    _add_calibrate(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -30,6 +30,7 @@ import torch
 from agentspec.attention import use_grouped_sdpa
 from agentspec.drafters.health import DraftHealth
 from agentspec.drafters.hybrid import DraftMemories
+from agentspec.telemetry.latency import LatencyModel
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,8 @@ class ModelPair:
     draft_health: DraftHealth = field(default_factory=DraftHealth, repr=False, compare=False)
     # what drafting learned from earlier calls (outputs, calibrations, costs), one per namespace key
     draft_memory: DraftMemories = field(default_factory=DraftMemories, repr=False, compare=False)
+    # what the target's passes cost here, for telemetry's latency-saved estimate (agentspec.telemetry)
+    latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:

@@ -11,9 +11,9 @@ would have taken; the baseline run then measures it, call for call (greedy decod
 calls, the same tokens). Compared: the sum of the full run's ``agentspec.latency_saved_s`` with the
 measured difference, both of the time inside the decoder (what the estimate models) and end to end
 (agent wall time).
-The cost model is calibrated once, before the first round; every round starts from that
-calibration, and the full run's estimates are refreshed only by its own passes, never by a
-baseline run's.
+The cost model is calibrated once, by an explicit ``calibrate`` before the first round (tracing
+never calibrates); every round starts from that calibration, and the full run's estimates are
+refreshed only by its own passes, never by a baseline run's.
 
 (b) Tracing overhead. The same decode (a greedy ``ChatSpecDecode.invoke``, 48 new tokens, no cache)
 with the SDK configured (batch span processor, in-memory metric reader) and with no SDK, alternated
@@ -44,7 +44,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import agentspec
-from agentspec.telemetry import CallTrace, calibrate, cost_model, set_cost_model
+from agentspec.telemetry import Telemetry, calibrate, cost_model, set_cost_model
 from agentspec.telemetry import attributes as A
 from examples import agent_demo
 from integrations.langchain import ChatSpecDecode
@@ -76,7 +76,7 @@ def _calls(spans: list) -> list[dict]:
 
 
 def estimate_vs_measured(pair, args, provider, memory) -> dict:
-    snapshot = dataclasses.replace(cost_model(pair))  # calibrated before the first round
+    snapshot = dataclasses.replace(cost_model(pair))  # calibrated (explicitly) before the first round
     tasks = agent_demo.TASKS[: args.tasks]
     rounds = []
     for r in range(args.rounds):
@@ -106,7 +106,7 @@ def estimate_vs_measured(pair, args, provider, memory) -> dict:
             for kind in order:
                 memory.clear()
                 # a baseline call refreshes the cost model from its passes: the full run must not see that
-                kept = dataclasses.replace(cost_model(pair, create=False)) if kind == "base" else None
+                kept = dataclasses.replace(cost_model(pair)) if kind == "base" else None
                 print(f"\nround {r + 1}, task {t + 1}, {kind}:", flush=True)
                 wall, answers, _ = agent_demo.run(llms[kind], kind, [task])
                 runs[kind]["wall_s"] += wall
@@ -114,7 +114,7 @@ def estimate_vs_measured(pair, args, provider, memory) -> dict:
                 runs[kind]["calls"] += _calls(agent_demo.call_spans(memory))
                 if kept is not None:
                     set_cost_model(pair, kept)
-        runs["full"]["cost_model_after"] = _cost(cost_model(pair, create=False))
+        runs["full"]["cost_model_after"] = _cost(cost_model(pair))
         full, base = runs["full"], runs["base"]
         if len(full["calls"]) != len(base["calls"]) or full["answers"] != base["answers"]:
             # greedy decoding is lossless: the two runs must make the same calls. When they do not,
@@ -202,11 +202,17 @@ def overhead(pair, args) -> dict:
     decode_s = sum(s.seconds for s in steps)
     options = {"max_new_tokens": 48, "temperature": 0.0, "speculative": True}
 
+    def restamped():
+        for s in steps:  # each pass as just begun: the trace reads Step.started on the call's clock
+            s.started = time.perf_counter()
+            yield s
+
     def replay(providers: dict, n: int) -> float:
+        telemetry = Telemetry(**providers)  # one per caller, as the chat model keeps one
         t0 = time.perf_counter()
         for _ in range(n):
-            call = CallTrace(pair, pair.name, options, streamed=False, **providers)
-            watched = call.watch(s for s in steps)  # a generator, as agentspec.stream gives
+            call = telemetry.call(pair, pair.name, options, streamed=False)
+            watched = call.watch(restamped())  # a generator, as agentspec.stream gives
             for _ in watched:
                 pass
             watched.close()
@@ -293,7 +299,7 @@ def main() -> None:
     memory = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(memory))
     t0 = time.perf_counter()
-    set_cost_model(pair, calibrate(pair))
+    calibrate(pair)  # explicit: tracing never calibrates (it would start from the device's prior)
     calibration_s = time.perf_counter() - t0
     ChatSpecDecode(pair=pair, max_tokens=4, prefix_cache=False, tracer_provider=provider).invoke("Warm up.")
 

@@ -47,6 +47,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import agentspec
 from agentspec import ChatSpecDecode
 from agentspec.telemetry import attributes as A
+from agentspec.telemetry import calibrate
 
 SYSTEM = """You are the release assistant of the Harbor project, a job scheduler written in Python.
 You answer questions from maintainers about releases and open issues. Rules:
@@ -210,7 +211,8 @@ def main() -> None:
     pair = agentspec.load_pair()  # both agents share these weights
     print(f"model: {pair.name} on {pair.device}, {len(tasks)} task(s), answers capped at {args.max_tokens}")
     provider, memory = tracing(args.otlp_endpoint)
-    # first-call costs; with tracing on, this also calibrates the latency-saved cost model (seconds)
+    calibrate(pair)  # fit the latency-saved estimate up front (tracing alone starts from a prior)
+    # first-call costs
     ChatSpecDecode(pair=pair, max_tokens=4, prefix_cache=False, tracer_provider=provider).invoke("Warm up.")
     memory.clear()
 

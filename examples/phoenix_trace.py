@@ -31,7 +31,7 @@ import torch
 import agentspec
 from agentspec import ChatSpecDecode
 from agentspec.telemetry import attributes as A
-from agentspec.telemetry import cost_model
+from agentspec.telemetry import calibrate
 from agentspec.telemetry.phoenix import local_phoenix, spans_dataframe
 
 
@@ -124,7 +124,7 @@ def main() -> None:
 
     pair = agentspec.load_pair()
     ChatSpecDecode(pair=pair, max_tokens=4, prefix_cache=False).invoke("Warm up.")  # untraced
-    cost_model(pair)  # calibrate the latency-saved estimate now, not inside the first traced call
+    calibrate(pair)  # fit the latency-saved estimate up front (tracing alone starts from a prior)
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(local_phoenix())
         print(f"Phoenix at {url}")

@@ -5,10 +5,14 @@ Spans go to an ``InMemorySpanExporter`` through a ``SimpleSpanProcessor``, metri
 since the global ones can be set only once per process. The chat calls run a tiny random Llama
 behind the embedded model's real tokenizer (its chat template, its tool-call format), so the whole
 LangChain path runs in milliseconds; its replies are noise, which is all these tests need. The
-latency estimate's arithmetic is checked on hand-written numbers.
+latency estimate's arithmetic is checked on hand-written numbers; that tracing runs no model pass of
+its own is checked by counting the target's forwards.
 """
 
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
@@ -21,19 +25,21 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from agentspec import grammar as G
 from agentspec.cache import PrefixCache
+from agentspec.decode import Step, stream
 from agentspec.models import ModelPair, ensure_default_model
 from agentspec.stats import DecodeStats
 from agentspec.telemetry import (
-    CallTrace,
     CostModel,
+    Telemetry,
     baseline_seconds,
+    calibrate,
     cost_model,
     set_cost_model,
     traced_stream,
 )
 from agentspec.telemetry import attributes as A
-from agentspec.telemetry.latency import Observed, Pass, calibrate, passes_of
 from integrations.langchain import ChatSpecDecode
 from integrations.langchain.messages import tool_call_text
 
@@ -147,7 +153,7 @@ def test_greedy_call(chat_pair, otel):
     _check_matches_reply(span, reply)
     # the estimate: a prefill of P tokens, then one pass per further token (after P, P+1, ... cached),
     # at the round costs times the scales this call's plain passes refreshed
-    cost = cost_model(chat_pair, create=False)
+    cost = cost_model(chat_pair)
     p, n = a[A.USAGE_INPUT_TOKENS], a[A.USAGE_OUTPUT_TOKENS]
     prefill = (0.1 + 0.01 * p) * cost.prefill_scale
     decode = sum(0.05 + 0.001 * (p + j) for j in range(n - 1)) * cost.decode_scale
@@ -262,14 +268,10 @@ def test_metrics(chat_pair, otel):
 
 
 def test_no_sdk_records_nothing_and_leaves_the_generator_alone(chat_pair, monkeypatch):
-    call = CallTrace(
-        chat_pair,
-        "m",
-        {},
-        streamed=True,
-        tracer_provider=trace.NoOpTracerProvider(),
-        meter_provider=metrics.NoOpMeterProvider(),
+    telemetry = Telemetry(
+        tracer_provider=trace.NoOpTracerProvider(), meter_provider=metrics.NoOpMeterProvider()
     )
+    call = telemetry.call(chat_pair, "m", {}, streamed=True)
     steps = iter([])
     assert not call.enabled and call.watch(steps) is steps
     # the API's global stand-ins (no SDK installed) count as none
@@ -277,9 +279,16 @@ def test_no_sdk_records_nothing_and_leaves_the_generator_alone(chat_pair, monkey
     from opentelemetry.metrics._internal import _ProxyMeterProvider
 
     monkeypatch.setattr(metrics, "get_meter_provider", lambda: _ProxyMeterProvider())
-    assert not CallTrace(chat_pair, "m", {}, streamed=False).enabled
+    assert not Telemetry().call(chat_pair, "m", {}, streamed=False).enabled
     reply = ChatSpecDecode(pair=chat_pair, max_tokens=3).invoke("hi")  # and the model works as before
     assert reply.usage_metadata["output_tokens"] == 3
+
+
+def test_a_deep_copy_of_the_chat_model_records_to_the_same_providers():
+    llm = ChatSpecDecode(max_tokens=3)  # the global providers, looked up at each call
+    llm._telemetry.call(None, "m", {}, streamed=False)  # has resolved them once
+    copied = copy.deepcopy(llm)  # a Telemetry holds a lock: it copies itself without it
+    assert copied._telemetry is not llm._telemetry and copied._telemetry.tracer_provider is None
 
 
 # -- under an agent run ---------------------------------------------------------------------------------
@@ -387,38 +396,110 @@ def test_baseline_seconds_by_hand():
     assert baseline_seconds(cost, stats) == pytest.approx(3 * 0.2 + 2 * (0.06 + 0.061))
 
 
-def test_passes_of_steps():
-    stats = DecodeStats(prompt_tokens=20, cached_tokens=12)
-    steps = [
-        Observed(True, 7, 2, 0, 2, 0.3),  # 8 uncached prompt tokens + 2 drafts, 1 accepted: 2 tokens
-        Observed(True, 0, 0, 0, 1, 0.1),  # a plain pass
-        Observed(False, 0, 0, 3, 3, 0.0),  # a grammar forces 3 tokens: no pass
-        Observed(True, 0, 2, 1, 4, 0.2),  # 1 more forced, 2 drafts accepted + the bonus token
+def _pass(fed: int, cached: int, drafted: int, seconds: float) -> Step:
+    """A Step as the loop yields it for a target pass that fed ``fed`` tokens after ``cached``."""
+    return Step([0], "", drafted, 0, 0, seconds, fed=fed, cached=cached)
+
+
+def _implied_passes(stats: DecodeStats, steps: list[Step]) -> list[tuple[int, int]]:
+    """(fed, cached) of each target pass as the stats imply them.
+
+    The first pass feeds the uncached prompt (``prefill`` + the last prompt token); every later one
+    feeds what the cache lacks: the token the last pass added, and any tokens a grammar forced
+    since. Tokens forced in a step are fed by its pass, drafts come on top. The cache before a
+    pass holds the prompt and the output so far, less those unfed tokens.
+    """
+    out: list[tuple[int, int]] = []
+    emitted = 0  # output tokens before the step
+    unfed = 0  # of those, not yet in the target's cache
+    for s in steps:
+        if s.target_pass:
+            if not out:
+                out.append((s.prefill + 1 + s.forced + s.drafted, stats.prompt_tokens - s.prefill - 1))
+            else:
+                out.append((unfed + s.forced + s.drafted, stats.prompt_tokens + emitted - unfed))
+            unfed = 1  # the pass's own last token is fed by the next one
+        else:
+            unfed += len(s.tokens)
+        emitted += len(s.tokens)
+    return out
+
+
+def test_steps_say_what_each_pass_fed(chat_pair):
+    """The facts the estimate reads (Step.fed, Step.cached, Step.restored) are the passes the stats imply,
+    with drafts, a warm prefix cache, and a grammar forcing tokens without a pass."""
+    ids = chat_pair.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Answer yes or no: is a repeated prompt a repeated prompt? " * 3}],
+        add_generation_prompt=True,
+        return_dict=True,
+    )["input_ids"]
+    answer = G.regex(r"The answer is (yes|no)\. The answer is (yes|no)\.")
+    calls = [
+        dict(drafter="suffix", max_new_tokens=12),
+        dict(drafter="suffix", max_new_tokens=12),  # the same prompt again: restored from the cache
+        dict(drafter="suffix", max_new_tokens=30, grammar=answer),
     ]
-    assert passes_of(stats, steps) == [
-        Pass(10, 12, 2, 0.3),
-        Pass(1, 21, 0, 0.1),
-        Pass(1 + 3 + 1 + 2, 20 + 6 - 4, 2, 0.2),  # unfed: the last bonus token and the 3 forced
-    ]
+    for options in calls:
+        steps = list(stream(chat_pair, ids, **options))
+        stats = steps[-1].stats
+        passes = [(s.fed, s.cached) for s in steps if s.target_pass]
+        assert passes == _implied_passes(stats, steps), (options, passes)
+        assert steps[0].restored == stats.cached_tokens and all(s.restored == 0 for s in steps[1:])
+    assert stats.forced_tokens > 0 and not all(s.target_pass for s in steps)  # the grammar call
 
 
 def test_refresh_uses_only_baseline_like_passes():
     cost = CostModel(**ROUND)
     decode_at_100 = 0.05 + 0.001 * 100
-    cost.refresh([Pass(1, 100, 0, 2 * decode_at_100)] * 50)  # plain passes twice as slow as fitted
+    cost.refresh([_pass(1, 100, 0, 2 * decode_at_100)] * 50)  # plain passes twice as slow as fitted
     assert cost.decode_scale == pytest.approx(2.0, rel=0.01) and cost.prefill_scale == 1.0
     before = (cost.decode_scale, cost.prefill_scale)
     # a verify pass (k+1 tokens cost more than one, with more work around it), a short pass from
-    # scratch (mostly fixed cost): neither is used
-    cost.refresh([Pass(4, 100, 3, 9.0), Pass(8, 0, 0, 9.0)])
+    # scratch (mostly fixed cost), a step the grammar alone made (no pass): none is used
+    no_pass = dataclasses.replace(_pass(1, 100, 0, 9.0), target_pass=False)
+    cost.refresh([_pass(4, 100, 3, 9.0), _pass(8, 0, 0, 9.0), no_pass])
     assert (cost.decode_scale, cost.prefill_scale) == before
-    cost.refresh([Pass(100, 0, 0, 0.5 * (0.1 + 0.01 * 100))] * 20)  # a from-scratch prefill at half
+    cost.refresh([_pass(100, 0, 0, 0.5 * (0.1 + 0.01 * 100))] * 20)  # a from-scratch prefill at half
     assert cost.prefill_scale == pytest.approx(0.5, rel=0.01)
     # a pass over 33 tokens (3 of them drafts) after 50 cached ones is a prefill as well, here at half
     cost.p2 = 1e-5  # its attention term: 33^2 + 2 * 33 * 50 pairs
-    cost.refresh([Pass(33, 50, 3, 0.5 * (0.1 + 0.01 * 33 + 1e-5 * (33 * 33 + 2 * 33 * 50)))] * 5)
+    cost.refresh([_pass(33, 50, 3, 0.5 * (0.1 + 0.01 * 33 + 1e-5 * (33 * 33 + 2 * 33 * 50)))] * 5)
     assert cost.prefill_scale == pytest.approx(0.5, rel=0.01)
     assert cost.prefill_s(33, 50) == pytest.approx(0.5 * (0.1 + 0.33 + 1e-5 * (33 * 33 + 3300)), rel=1e-3)
+
+
+def test_a_prior_is_rescaled_by_the_first_passes():
+    cost = CostModel.for_device("cpu")
+    assert cost.prior and cost.source == "prior" and cost.scales() == (1.0, 1.0)
+    decode = cost.d0 + cost.d1 * 100
+    cost.refresh([_pass(1, 100, 0, 30 * decode)])  # 30x the prior: its size was a guess
+    assert cost.decode_scale == pytest.approx(30.0) and cost.source == "prior"
+    assert cost.scales() == pytest.approx((30.0, 30.0))  # the unseen prefill term borrows it
+    prefill = cost.p0 + cost.p1 * 200 + cost.p2 * 200 * 200
+    cost.refresh([_pass(200, 0, 0, 10 * prefill)])
+    assert cost.scales() == pytest.approx((10.0, 30.0)) and cost.source == "observed"
+    cost.refresh([_pass(1, 100, 0, 3000 * decode)])  # a pause: clipped to 5x the scale so far
+    assert cost.decode_scale == pytest.approx(30.0 + (150.0 - 30.0) / 2)  # the mean of two passes
+    assert CostModel.for_device("cuda").source == "prior" and CostModel(**ROUND).source == "calibrated"
+
+
+def test_tracing_runs_no_model_pass(chat_pair, tiny_llama, otel):
+    """A traced first call on a fresh pair runs exactly the target passes an untraced one runs."""
+    exporter, _, providers = otel
+    no_sdk = {"tracer_provider": trace.NoOpTracerProvider(), "meter_provider": metrics.NoOpMeterProvider()}
+    forwards = {}
+    for kind, telemetry in (("untraced", no_sdk), ("traced", providers)):
+        model = tiny_llama(5, vocab_size=len(chat_pair.tokenizer), max_positions=1024)
+        seen: list[int] = []
+        model.register_forward_hook(lambda *_, seen=seen: seen.append(1))
+        fresh = ModelPair(
+            target=model, tokenizer=chat_pair.tokenizer, name="fresh", prefix_cache=PrefixCache(1 << 26)
+        )
+        ChatSpecDecode(pair=fresh, max_tokens=8, **telemetry).invoke("Count: one two three, one two three")
+        forwards[kind] = len(seen)
+    assert forwards["traced"] == forwards["untraced"] > 0, forwards
+    a = _one_span(exporter).attributes
+    assert a[A.COST_SOURCE] in ("prior", "observed") and A.BASELINE_ESTIMATE in a
 
 
 def test_speculation_attributes_read_forced_tokens():
@@ -433,6 +514,9 @@ def test_calibrate_fits_increasing_costs(pair):
     cost = calibrate(pair, sizes=(8, 32, 64))
     assert cost.p1 >= 0 and cost.p2 >= 0 and cost.d1 >= 0, cost
     assert 0 < cost.prefill_s(8) <= cost.prefill_s(64) and cost.decode_s(10) > 0, cost
+    assert cost_model(pair) is cost and cost.source == "calibrated"  # installed on the pair
+    set_cost_model(pair, None)  # back to the prior
+    assert cost_model(pair).source == "prior"
 
 
 def test_a_plain_call_saves_about_nothing(chat_pair, otel):
@@ -449,4 +533,16 @@ def test_a_plain_call_saves_about_nothing(chat_pair, otel):
         set_cost_model(chat_pair, CostModel(**ROUND))
     a = _one_span(exporter).attributes
     assert a[A.USAGE_OUTPUT_TOKENS] == 40 and a[A.DRAFT_TOKENS] == 0
+    assert abs(a[A.LATENCY_SAVED]) < 0.35 * a[A.DECODE_TIME], (a[A.BASELINE_ESTIMATE], a[A.DECODE_TIME])
+
+
+def test_a_plain_call_saves_about_nothing_from_the_prior(chat_pair, otel):
+    """With no calibration, the call's own passes rescale the prior before its estimate is made."""
+    exporter, _, providers = otel
+    fresh = ModelPair(target=chat_pair.target, tokenizer=chat_pair.tokenizer, name="tiny-smol")
+    assert cost_model(fresh).source == "prior"
+    llm = ChatSpecDecode(pair=fresh, max_tokens=40, speculative=False, prefix_cache=False, **providers)
+    llm.invoke("A prompt of some length for the prefill to matter. " * 8)
+    a = _one_span(exporter).attributes
+    assert a[A.COST_SOURCE] == "observed" and a[A.USAGE_OUTPUT_TOKENS] == 40
     assert abs(a[A.LATENCY_SAVED]) < 0.35 * a[A.DECODE_TIME], (a[A.BASELINE_ESTIMATE], a[A.DECODE_TIME])

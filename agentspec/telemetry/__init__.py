@@ -7,21 +7,33 @@ package is one exporter of them:
   conventions, ``agentspec.*`` for speculation, the prefix cache and the estimate), and pure
   functions from a call's stats to attribute dicts;
 - ``latency``: the estimate of what a call would have cost with plain decoding and no cache (a
-  per-pair cost model, calibrated on first use and refreshed from plain passes: see its docstring);
-- ``otel``: ``CallTrace``, the glue that opens a span per call (``chat {model}``, kind INTERNAL,
-  child of the current span), records metric points and costs nothing when no SDK is configured;
-  ``traced_stream``, ``agentspec.stream`` with a span.
+  cost model on the pair, ``ModelPair.latency``, from a prior learnt from the passes traced calls
+  timed, or fitted up front by an explicit ``calibrate``: see its docstring);
+- ``otel``: ``Telemetry`` (a caller's tracer and instruments) and ``CallTrace``, the glue that opens
+  a span per call (``chat {model}``, kind INTERNAL, child of the current span), records metric
+  points and costs nothing when no SDK is configured; ``traced_stream``, ``agentspec.stream`` with
+  a span.
 
-``ChatSpecDecode(tracer_provider=..., meter_provider=...)`` uses it for every call; by default it
-uses the global providers.
+Telemetry observes and never acts: a traced call runs exactly the model passes an untraced one
+runs. ``ChatSpecDecode(tracer_provider=..., meter_provider=...)`` keeps a ``Telemetry`` for its
+calls; by default it uses the global providers.
 """
 
-from agentspec.telemetry.latency import CostModel, baseline_seconds, calibrate, cost_model, set_cost_model
-from agentspec.telemetry.otel import CallTrace, traced_stream
+from agentspec.telemetry.latency import (
+    CostModel,
+    LatencyModel,
+    baseline_seconds,
+    calibrate,
+    cost_model,
+    set_cost_model,
+)
+from agentspec.telemetry.otel import CallTrace, Telemetry, traced_stream
 
 __all__ = [
     "CallTrace",
     "CostModel",
+    "LatencyModel",
+    "Telemetry",
     "baseline_seconds",
     "calibrate",
     "cost_model",

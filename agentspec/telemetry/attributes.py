@@ -60,6 +60,9 @@ TIME_TO_FIRST_TOKEN = "agentspec.time_to_first_token_s"  # from the call's start
 DECODE_TIME = "agentspec.decode_s"  # time spent inside the decoder (not in the caller's hands)
 BASELINE_ESTIMATE = "agentspec.baseline_estimate_s"  # the same call, plain decoding, no cache (estimated)
 LATENCY_SAVED = "agentspec.latency_saved_s"  # baseline_estimate_s - decode_s; negative: a loss
+# what the estimate's pass costs rest on: "prior" (a device type's curve, a term not yet seen in a
+# pass), "observed" (the prior rescaled by passes of both kinds), "calibrated" (fitted or given)
+COST_SOURCE = "agentspec.latency.cost_source"
 DRAFT_SOURCE = "agentspec.draft.source"  # metric attribute: where draft tokens came from ("suffix", ...)
 # per draft source ("auto" picks "suffix" or "model" each pass): passes, draft tokens, accepted
 SOURCE_STEPS = "agentspec.source.{}.verify_steps"
@@ -136,9 +139,9 @@ def speculation_attributes(stats: DecodeStats) -> dict[str, Any]:
         DRAFTER: stats.drafter or "none",
         DRAFT_TOKENS: stats.draft_tokens,
         ACCEPTED_TOKENS: stats.accepted_tokens,
-        FORCED_TOKENS: getattr(stats, "forced_tokens", 0),
-        JUMP_FORWARD_TOKENS: getattr(stats, "jump_forward_tokens", 0),
-        JUMP_FORWARD_ACCEPTED: getattr(stats, "jump_forward_accepted", 0),
+        FORCED_TOKENS: stats.forced_tokens,
+        JUMP_FORWARD_TOKENS: stats.jump_forward_tokens,
+        JUMP_FORWARD_ACCEPTED: stats.jump_forward_accepted,
         VERIFY_STEPS: stats.verify_steps,
         DRAFT_FAILURES: stats.draft_failures,
         ACCEPTANCE_RATE: stats.acceptance_rate,
@@ -155,22 +158,26 @@ def source_attributes(stats: DecodeStats) -> dict[str, Any]:
     """``agentspec.source.<source>.*``: verify passes, draft tokens and accepted tokens per draft source."""
     attrs: dict[str, Any] = {}
     for template, counts in (
-        (SOURCE_STEPS, getattr(stats, "source_steps", {})),
-        (SOURCE_DRAFT_TOKENS, getattr(stats, "source_draft_tokens", {})),
-        (SOURCE_ACCEPTED_TOKENS, getattr(stats, "source_accepted_tokens", {})),
+        (SOURCE_STEPS, stats.source_steps),
+        (SOURCE_DRAFT_TOKENS, stats.source_draft_tokens),
+        (SOURCE_ACCEPTED_TOKENS, stats.source_accepted_tokens),
     ):
         attrs.update({template.format(source): n for source, n in counts.items()})
     return attrs
 
 
-def timing_attributes(ttft_s: float | None, decode_s: float, baseline_s: float | None) -> dict[str, Any]:
-    """Measured times, and the estimate when there is one (saved = baseline - decode)."""
+def timing_attributes(
+    ttft_s: float | None, decode_s: float, baseline_s: float | None, cost_source: str | None = None
+) -> dict[str, Any]:
+    """Measured times, and the estimate when there is one (saved = baseline - decode) with its source."""
     attrs: dict[str, Any] = {DECODE_TIME: decode_s}
     if ttft_s is not None:
         attrs[TIME_TO_FIRST_TOKEN] = ttft_s
     if baseline_s is not None:
         attrs[BASELINE_ESTIMATE] = baseline_s
         attrs[LATENCY_SAVED] = baseline_s - decode_s
+    if cost_source is not None:
+        attrs[COST_SOURCE] = cost_source
     return attrs
 
 

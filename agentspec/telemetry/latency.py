@@ -6,25 +6,29 @@ output token), then one single-token pass per further output token, after ``P``,
 cached tokens. Its cost comes from a ``CostModel`` of the target on this machine:
 
 - ``prefill_s(n) = p0 + p1 n + p2 n^2``: a pass over ``n`` tokens from an empty cache (the squared
-  term is attention; on a 2-core CPU, SmolLM2-135M measured 0.28 s for 32 tokens, 1.14 s for 256,
-  2.71 s for 512, 7.1 s for 1,024); after ``c`` cached tokens the new ones also attend to those:
+  term is attention); after ``c`` cached tokens the new ones also attend to those:
   ``p0 + p1 n + p2 (n^2 + 2 n c)``;
-- ``decode_s(c) = d0 + d1 c``: a one-token pass after ``c`` cached tokens (105 ms at 32, 130 ms at
-  1,024 there).
+- ``decode_s(c) = d0 + d1 c``: a one-token pass after ``c`` cached tokens.
 
-``calibrate`` fits both on first use of a pair (once per target model and torch thread count): a
-pass from scratch over 3 prompt sizes and 4 single-token passes after each, round-robin (about 6 s
-for SmolLM2-135M on one CPU thread, milliseconds on a GPU). The machine's speed drifts
-with its load, so every traced call then refreshes two scale factors from its own passes
-(exponential moving averages of measured / predicted): one-token passes (no draft: exactly a
-baseline decode pass) refresh ``decode_scale``; passes over 16 tokens or more (a prompt's uncached
-part, with any drafts on top) refresh ``prefill_scale``. Verify passes over k+1 < 16 tokens refresh
-nothing: besides costing more than a one-token pass (on that CPU 2 tokens cost 1.7x one token, the
-one-token pass has a faster kernel), they carry per-pass work a plain pass does not (drafting, k+1
-rows of verification and grammar masks); tried, they pushed one answer's estimate 18% high. A
-speculative call that drafts on every pass therefore keeps the calibration's decode speed. A call
-is refreshed from before its estimate is made, so a call that is itself plain decoding without
-cache estimates a saving near zero.
+Telemetry observes and never runs the model: a pair's cost model (``ModelPair.latency``, one per
+torch thread count) starts from a prior for its device kind, a curve whose shape is plausible and
+whose size is a guess, and learns this target on this machine from the passes the decoding loop
+timed anyway (``Step.fed``, ``Step.cached``, ``Step.seconds``). Two scale factors follow them:
+one-token passes (no draft: exactly a baseline decode pass) move ``decode_scale``; passes over 16
+tokens or more (a prompt's uncached part, with any drafts on top) move ``prefill_scale``. Verify
+passes over k+1 < 16 tokens move nothing: besides costing more than a one-token pass (the one-token
+pass has a faster kernel), they carry per-pass work a plain pass does not (drafting, k+1 rows of
+verification and grammar masks), which pushed estimates high when they were tried. On a prior the
+first pass a term sees sets its scale (the prior's size means nothing), later ones average in;
+until a term has seen a pass it borrows the other term's scale (one model on one machine: both are
+off by a similar factor), and the span says ``agentspec.latency.cost_source = "prior"``; once both
+have, ``"observed"``. A call is refreshed before its estimate is made, so a call that is itself plain
+decoding without cache estimates a saving near zero.
+
+``calibrate`` is the explicit alternative (``agentspec calibrate`` on the command line): it times
+the target up front, a pass from scratch over 3 prompt sizes and 4 single-token passes after each,
+and installs the fitted curve (``cost_source = "calibrated"``, as for any curve a caller installs
+with ``set_cost_model``); traced calls then move its scales as above, each pass by a fixed weight.
 
 ``latency_saved = baseline - measured``, where measured is the time spent inside the decoder for
 this call (lock wait, cache restore and save, drafting, verification), not time the caller spent
@@ -34,6 +38,10 @@ past a complete tool call (counted as output, though the baseline would stop at 
 call), and time lost waiting for the pair's lock (counted as measured: it lowers the estimate). The
 benchmark ``benchmarks/bench_telemetry.py`` compares the summed estimate with a measured baseline
 run of the same agent.
+
+This is not the drafting schedule's ``agentspec.drafters.schedule.VerifyCost``: that one prices a
+verify pass of k+1 tokens against one token to choose draft lengths (and keeps a frozen curve for
+sampled calls, so a seed reproduces its output); this one prices plain decoding's passes in seconds.
 """
 
 from __future__ import annotations
@@ -42,91 +50,77 @@ import dataclasses
 import statistics
 import threading
 import time
-import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentspec.kv import ModelState
-from agentspec.models import ModelPair
 from agentspec.stats import DecodeStats
+
+if TYPE_CHECKING:  # models.py imports this module (ModelPair.latency): annotations only
+    from agentspec.decode import Step
+    from agentspec.models import ModelPair
 
 CALIBRATION_SIZES = (32, 256, 512)  # prompt sizes of the from-scratch passes (capped to the context)
 DECODE_PASSES = 4  # one-token passes timed after each of them (median per context)
-MIN_PREFILL_SAMPLE = 16  # from-scratch passes shorter than this are mostly fixed cost: not used
+MIN_PREFILL_SAMPLE = 16  # passes over fewer tokens are mostly fixed cost or verify passes: not used
 DECODE_RATE = 0.1  # EWMA weight of one plain decode pass
-PREFILL_RATE = 0.3  # EWMA weight of one from-scratch pass (rarer)
-SCALE_RANGE = (0.2, 5.0)  # a single ratio outside this is clipped (a pause, a burst of load)
+PREFILL_RATE = 0.3  # EWMA weight of one prefill pass (rarer)
+SCALE_RANGE = (0.2, 5.0)  # one pass's ratio outside this (of the scale so far) is clipped: a pause, a burst
 
-
-@dataclass(frozen=True)
-class Pass:
-    """One target forward pass of a call, as the telemetry saw it."""
-
-    new_tokens: int  # tokens fed: the uncached prompt (first pass) or the pending token, plus drafts
-    cached: int  # tokens already in the target's cache before the pass
-    drafted: int  # draft tokens among the new ones
-    seconds: float  # wall time of the pass (drafting included)
-
-
-@dataclass(frozen=True)
-class Observed:
-    """What the telemetry saw of one Step (the fields of ``agentspec.decode.Step`` it needs)."""
-
-    passed: bool  # a target pass ran (the call's verify_steps went up); False: grammar-forced tokens only
-    prefill: int  # Step.prefill: uncached prompt tokens fed in this pass, the last prompt token excepted
-    drafted: int  # draft tokens verified in this pass
-    forced: int  # tokens a grammar appended without a model guess (fed with the next pass)
-    tokens: int  # tokens this step added to the output
-    seconds: float  # Step.seconds
-
-
-def passes_of(stats: DecodeStats, steps: list[Observed]) -> list[Pass]:
-    """The target passes of a call, from its Steps.
-
-    The first pass feeds the uncached prompt (``prefill`` + the last prompt token); every later one
-    feeds what the cache lacks: the token the last pass added, and any tokens a grammar forced
-    since. Tokens forced in a step are fed by its pass, drafts come on top. The cache before a
-    pass holds the prompt and the output so far, less those unfed tokens.
-    """
-    out: list[Pass] = []
-    emitted = 0  # output tokens before the step
-    unfed = 0  # of those, not yet in the target's cache
-    first = True
-    for s in steps:
-        if s.passed:
-            if first:
-                new = s.prefill + 1 + s.forced + s.drafted
-                cached = stats.prompt_tokens - s.prefill - 1
-            else:
-                new = unfed + s.forced + s.drafted
-                cached = stats.prompt_tokens + emitted - unfed
-            out.append(Pass(new, cached, s.drafted, s.seconds))
-            first, unfed = False, 1  # the pass's own last token is fed by the next one
-        else:
-            unfed += s.tokens
-        emitted += s.tokens
-    return out
+# the curves a pair starts from, by device type; an unlisted accelerator uses "cuda"'s
+PRIORS: dict[str, dict[str, float]] = {
+    # the embedded model's calibration on one CPU thread (benchmarks/results/telemetry.json)
+    "cpu": {"p0": 0.2, "p1": 2.9e-3, "p2": 5.4e-6, "d0": 0.12, "d1": 2e-5},
+    # no accelerator calibration is recorded yet: a launch-bound pass, nearly flat in its tokens
+    "cuda": {"p0": 0.012, "p1": 2e-5, "p2": 0.0, "d0": 0.01, "d1": 1e-6},
+}
 
 
 @dataclass
 class CostModel:
-    """Seconds of target forward passes on one pair, as fitted by ``calibrate``, scaled by refreshes."""
+    """Seconds of target forward passes on one pair: a curve (fitted, given, or a prior) times two scales."""
 
-    p0: float  # prefill_s(n) = (p0 + p1 n + p2 n^2) * prefill_scale
+    p0: float  # prefill_s(n) = (p0 + p1 n + p2 n^2) * prefill scale
     p1: float
     p2: float
-    d0: float  # decode_s(c) = (d0 + d1 c) * decode_scale
+    d0: float  # decode_s(c) = (d0 + d1 c) * decode scale
     d1: float
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
-    refreshed_passes: int = 0  # passes that refreshed a scale so far
+    prior: bool = False  # the curve is a device type's prior, not fitted on this target
+    prefill_passes: int = 0  # passes that moved prefill_scale so far
+    decode_passes: int = 0  # passes that moved decode_scale so far
     _lock: threading.Lock = dataclasses.field(
         default_factory=threading.Lock, init=False, repr=False, compare=False
     )
 
+    @classmethod
+    def for_device(cls, device_type: str) -> CostModel:
+        """The prior of a device type (``torch.device.type``)."""
+        return cls(**PRIORS.get(device_type, PRIORS["cuda"]), prior=True)
+
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    @property
+    def source(self) -> str:
+        """``agentspec.latency.cost_source``: "prior" while a term has seen no pass, then "observed";
+        "calibrated" for a fitted (or given) curve."""
+        if not self.prior:
+            return "calibrated"
+        return "observed" if self.prefill_passes and self.decode_passes else "prior"
+
+    def scales(self) -> tuple[float, float]:
+        """(prefill, decode) scales in use: on a prior, a term no pass has moved borrows the other's."""
+        prefill, decode = self.prefill_scale, self.decode_scale
+        if self.prior and not self.prefill_passes:
+            prefill = decode
+        if self.prior and not self.decode_passes:
+            decode = prefill
+        return prefill, decode
 
     def prefill_s(self, n: int, cached: int = 0) -> float:
         """A pass over ``n`` tokens after ``cached`` ones (a prefill: n of 16 or more).
@@ -134,40 +128,94 @@ class CostModel:
         The square counts attention pairs: from scratch n^2 (halved into p2), after c cached tokens
         the new tokens also attend to those, n^2 + 2nc: the increment prefill_s(c + n) - prefill_s(c).
         """
-        return max(0.0, self._prefill_fit(n, cached)) * self.prefill_scale
+        return max(0.0, self._prefill_fit(n, cached)) * self.scales()[0]
 
     def _prefill_fit(self, n: int, cached: int) -> float:
         return self.p0 + self.p1 * n + self.p2 * (n * n + 2 * n * cached)
 
     def decode_s(self, cached: int) -> float:
         """A one-token pass after ``cached`` tokens."""
-        return max(0.0, self.d0 + self.d1 * cached) * self.decode_scale
+        return max(0.0, self.d0 + self.d1 * cached) * self.scales()[1]
 
     def decode_sum_s(self, cached: int, passes: int) -> float:
         """``passes`` one-token passes after ``cached``, ``cached + 1``, ... tokens."""
         if passes <= 0:
             return 0.0
         contexts = passes * cached + passes * (passes - 1) / 2  # sum of the cache lengths
-        return max(0.0, self.d0 * passes + self.d1 * contexts) * self.decode_scale
+        return max(0.0, self.d0 * passes + self.d1 * contexts) * self.scales()[1]
 
-    def refresh(self, passes: list[Pass]) -> None:
-        """Move the scales toward what this call's baseline-like passes measured."""
-        lo, hi = SCALE_RANGE
+    def refresh(self, steps: Iterable[Step]) -> None:
+        """Move the scales toward what a call's baseline-like passes measured (its Steps' own times)."""
         with self._lock:
-            for p in passes:
-                if p.new_tokens == 1 and p.cached > 0:  # no draft: exactly a baseline decode pass
-                    predicted = max(0.0, self.d0 + self.d1 * p.cached)
-                    rate, attr = DECODE_RATE, "decode_scale"
-                elif p.new_tokens < MIN_PREFILL_SAMPLE:  # a verify pass over k+1 tokens, or a short one
+            for s in steps:
+                if not s.target_pass:  # the grammar alone added these tokens
                     continue
-                else:  # a prefill (drafts or not): a pass over n tokens
-                    predicted = max(0.0, self._prefill_fit(p.new_tokens, p.cached))
-                    rate, attr = PREFILL_RATE, "prefill_scale"
-                if predicted <= 0:
-                    continue
-                ratio = min(hi, max(lo, p.seconds / predicted))
-                setattr(self, attr, getattr(self, attr) + rate * (ratio - getattr(self, attr)))
-                self.refreshed_passes += 1
+                if s.fed == 1 and s.cached > 0:  # no draft: exactly a baseline decode pass
+                    predicted = max(0.0, self.d0 + self.d1 * s.cached)
+                    if predicted > 0:
+                        ratio = s.seconds / predicted
+                        self.decode_scale = self._moved(
+                            self.decode_scale, self.decode_passes, ratio, DECODE_RATE
+                        )
+                        self.decode_passes += 1
+                elif s.fed >= MIN_PREFILL_SAMPLE:  # a prefill (drafts or not): a pass over n tokens
+                    predicted = max(0.0, self._prefill_fit(s.fed, s.cached))
+                    if predicted > 0:
+                        ratio = s.seconds / predicted
+                        self.prefill_scale = self._moved(
+                            self.prefill_scale, self.prefill_passes, ratio, PREFILL_RATE
+                        )
+                        self.prefill_passes += 1
+
+    def _moved(self, scale: float, seen: int, ratio: float, rate: float) -> float:
+        """``scale`` after one more pass measured at ``ratio`` times the curve (``seen`` passes before)."""
+        lo, hi = SCALE_RANGE
+        if not self.prior:  # judged against the calibration, at a fixed weight
+            return scale + rate * (min(hi, max(lo, ratio)) - scale)
+        if not seen:  # the first pass sets a prior's scale
+            return ratio
+        ratio = min(hi * scale, max(lo * scale, ratio))  # judged against what was seen so far
+        return scale + max(rate, 1 / (seen + 1)) * (ratio - scale)  # a running mean, then the EWMA
+
+
+class LatencyModel:
+    """A pair's ``CostModel`` per torch thread count (a CPU pass's time depends on it): ``ModelPair.latency``.
+
+    Starts from the device type's prior; traced calls refresh it from their passes; ``calibrate``
+    or ``set_cost_model`` replace it.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[int, CostModel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device_type: str) -> CostModel:
+        """The model for the current thread count (the device type's prior when there is none yet)."""
+        threads = torch.get_num_threads()
+        with self._lock:
+            found = self._models.get(threads)
+            if found is None:
+                found = self._models[threads] = CostModel.for_device(device_type)
+            return found
+
+    def set(self, cost: CostModel | None) -> None:
+        """Install (or, with None, forget: back to the prior) the model for the current thread count."""
+        threads = torch.get_num_threads()
+        with self._lock:
+            if cost is None:
+                self._models.pop(threads, None)
+            else:
+                self._models[threads] = cost
+
+
+def cost_model(pair: ModelPair) -> CostModel:
+    """The pair's CostModel for the current thread count: a lookup, never a model pass."""
+    return pair.latency.get(pair.device.type)
+
+
+def set_cost_model(pair: ModelPair, cost: CostModel | None) -> None:
+    """Install (or, with None, forget) the pair's CostModel for the current thread count."""
+    pair.latency.set(cost)
 
 
 def baseline_seconds(cost: CostModel, stats: DecodeStats) -> float:
@@ -177,7 +225,7 @@ def baseline_seconds(cost: CostModel, stats: DecodeStats) -> float:
     return cost.prefill_s(prompt) + cost.decode_sum_s(prompt, passes)
 
 
-# -- calibration ------------------------------------------------------------------------------------
+# -- calibration: an explicit call, never made by tracing ----------------------------------------------
 
 
 def _fit_prefill(points: list[tuple[int, float]]) -> tuple[float, float, float]:
@@ -202,7 +250,7 @@ def _timed_pass(state: ModelState, ids: list[int]) -> float:
 
 
 def calibrate(pair: ModelPair, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> CostModel:
-    """Time the target on this machine and fit a fresh ``CostModel`` (holds the pair's lock).
+    """Time the target now, fit a ``CostModel`` and install it on the pair (holds the pair's lock).
 
     One pass from scratch over each prompt size, then one-token passes after each of them, taken in
     turn (round-robin, ``DECODE_PASSES`` rounds) so that a change in the machine's load hits every
@@ -233,32 +281,6 @@ def calibrate(pair: ModelPair, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> Co
         d0, d1 = float(medians[0]), 0.0
     if d1 < 0:  # noise: attention over a longer context does not get cheaper
         d0, d1 = float(medians.mean()), 0.0
-    return CostModel(p0, p1, p2, d0, d1)
-
-
-# one CostModel per target model (weights, dtype, device) and torch thread count, for the process
-_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_MODELS_LOCK = threading.Lock()
-
-
-def cost_model(pair: ModelPair, create: bool = True) -> CostModel | None:
-    """The pair's CostModel, calibrated now if there is none yet (None when ``create`` is False)."""
-    threads = torch.get_num_threads()
-    with _MODELS_LOCK:
-        found = _MODELS.get(pair.target, {}).get(threads)
-    if found is not None or not create:
-        return found
-    fresh = calibrate(pair)
-    with _MODELS_LOCK:
-        return _MODELS.setdefault(pair.target, {}).setdefault(threads, fresh)
-
-
-def set_cost_model(pair: ModelPair, cost: CostModel | None) -> None:
-    """Install (or, with None, forget) the pair's CostModel for the current thread count."""
-    threads = torch.get_num_threads()
-    with _MODELS_LOCK:
-        models = _MODELS.setdefault(pair.target, {})
-        if cost is None:
-            models.pop(threads, None)
-        else:
-            models[threads] = cost
+    fitted = CostModel(p0, p1, p2, d0, d1)
+    set_cost_model(pair, fitted)
+    return fitted

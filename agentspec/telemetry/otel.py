@@ -6,8 +6,10 @@ with the pure functions of ``attributes`` and the estimate of ``latency``. The s
 child of the current span and never made current itself (it has no children, and a context
 attached inside a generator would leak into the caller between chunks).
 
+``Telemetry`` holds a caller's tracer and instruments and makes the ``CallTrace`` of each call.
 With no SDK configured (the global providers are the API's no-op/proxy ones and none was injected),
-``CallTrace`` records nothing, calibrates nothing and hands the generator back unwrapped.
+``CallTrace`` records nothing and hands the generator back unwrapped. Tracing never runs the model:
+the latency estimate learns from the passes the loop timed (``agentspec.telemetry.latency``).
 """
 
 from __future__ import annotations
@@ -15,19 +17,20 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import weakref
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Generator, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agentspec.config import GenerationConfig
-from agentspec.decode import Step
-from agentspec.models import ModelPair
 from agentspec.stats import DecodeStats
 from agentspec.telemetry import attributes as A
-from agentspec.telemetry.latency import Observed, baseline_seconds, cost_model, passes_of
+from agentspec.telemetry.latency import baseline_seconds, cost_model
+
+if TYPE_CHECKING:  # models.py imports this package (ModelPair.latency): annotations only
+    from agentspec.decode import Step
+    from agentspec.models import ModelPair
 
 try:  # the API's stand-in until a global MeterProvider is set (private name: checked by type only)
     from opentelemetry.metrics._internal import _ProxyMeterProvider as _ProxyMP
@@ -60,7 +63,7 @@ def meter_provider_or_none(provider: Any = None) -> Any:
 
 
 class Instruments:
-    """The metric instruments of one MeterProvider (created once: the SDK warns on duplicates)."""
+    """The metric instruments of one MeterProvider."""
 
     def __init__(self, provider: Any):
         meter = provider.get_meter(SCOPE, _version())
@@ -109,25 +112,53 @@ class Instruments:
         )
 
 
-_TRACERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_INSTRUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CACHE_LOCK = threading.Lock()
+class Telemetry:
+    """Where one caller's calls are recorded: a tracer and metric instruments of its providers.
 
+    The caller keeps one (the chat model builds it once) and makes a ``CallTrace`` per call with
+    ``call``. A provider given as None is the global one, looked up at every call: an app may set
+    its SDK after building the caller. The tracer and instruments of the provider last seen are kept
+    (for the same names, the SDK hands back the instruments it made before, without a warning).
+    """
 
-def _tracer(provider: Any) -> Any:
-    with _CACHE_LOCK:
-        tracer = _TRACERS.get(provider)
-        if tracer is None:
-            tracer = _TRACERS[provider] = provider.get_tracer(SCOPE, _version())
-        return tracer
+    def __init__(self, tracer_provider: Any = None, meter_provider: Any = None):
+        self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
+        self._lock = threading.Lock()
+        self._tracing: Any = None  # the provider resolved at the last call, and its tracer
+        self._tracer: Any = None
+        self._metering: Any = None  # the same for metrics
+        self._instruments: Instruments | None = None
 
+    def __deepcopy__(self, memo: dict) -> Telemetry:
+        # a deep copy of its caller (pydantic's model_copy(deep=True)) records to the same providers
+        return Telemetry(self.tracer_provider, self.meter_provider)
 
-def _instruments(provider: Any) -> Instruments:
-    with _CACHE_LOCK:
-        found = _INSTRUMENTS.get(provider)
-        if found is None:
-            found = _INSTRUMENTS[provider] = Instruments(provider)
-        return found
+    def _resolved(self) -> tuple[Any, Instruments | None]:
+        tracing = tracer_provider_or_none(self.tracer_provider)
+        metering = meter_provider_or_none(self.meter_provider)
+        with self._lock:
+            if tracing is not self._tracing:
+                self._tracing = tracing
+                self._tracer = tracing.get_tracer(SCOPE, _version()) if tracing is not None else None
+            if metering is not self._metering:
+                self._metering = metering
+                self._instruments = Instruments(metering) if metering is not None else None
+            return self._tracer, self._instruments
+
+    def call(
+        self,
+        pair: ModelPair | None,
+        model: str,
+        options: Mapping[str, Any],
+        *,
+        streamed: bool,
+        parent: Any = None,
+    ) -> CallTrace:
+        """The ``CallTrace`` of one call (arguments as ``CallTrace``'s)."""
+        tracer, instruments = self._resolved()
+        return CallTrace(
+            pair, model, options, streamed=streamed, parent=parent, tracer=tracer, instruments=instruments
+        )
 
 
 class CallTrace:
@@ -136,8 +167,8 @@ class CallTrace:
     ``pair`` may be None for a call that failed before a model was chosen (no estimate then).
     ``options`` are the call's ``agentspec.stream`` options; ``streamed`` whether the caller
     receives chunks; ``parent`` an OpenTelemetry Context whose span is the parent (None: the
-    current one). The estimate calibrates the pair's CostModel on first use, before the span
-    and the call's clock start.
+    current one); ``tracer`` and ``instruments`` where the call is recorded (``Telemetry.call``
+    resolves them; both None: nothing is). Looking up the pair's CostModel runs no model pass.
     """
 
     def __init__(
@@ -148,67 +179,55 @@ class CallTrace:
         *,
         streamed: bool,
         parent: Any = None,
-        tracer_provider: Any = None,
-        meter_provider: Any = None,
+        tracer: Any = None,
+        instruments: Instruments | None = None,
     ):
-        tracing = tracer_provider_or_none(tracer_provider)
-        metering = meter_provider_or_none(meter_provider)
-        self.enabled = tracing is not None or metering is not None
+        self.enabled = tracer is not None or instruments is not None
         if not self.enabled:
             return
         self.pair, self.model = pair, model
-        self.instruments = _instruments(metering) if metering is not None else None
-        self.cost = cost_model(pair) if pair is not None else None  # may calibrate: before the clock
+        self.instruments = instruments
+        self.cost = cost_model(pair) if pair is not None else None
         self.span = None
-        if tracing is not None:
-            span = _tracer(tracing).start_span(A.span_name(model), context=parent, kind=SpanKind.INTERNAL)
+        if tracer is not None:
+            span = tracer.start_span(A.span_name(model), context=parent, kind=SpanKind.INTERNAL)
             if span.is_recording():
                 span.set_attributes(A.request_attributes(model, options, streamed))
                 self.span = span
         if self.span is None and self.instruments is None:  # a sampler dropped the span: nothing to do
             self.enabled = False
             return
-        self.stats: DecodeStats | None = None
-        self.steps: list[Observed] = []
-        self.verify_steps = 0  # passes seen so far
+        self.steps: list[Step] = []
         self.error: str | None = None
         self.closed_early = False
         self.ended = False
-        self.decode_s = 0.0
+        self.decode_s = 0.0  # inside the decoder: its passes and the time around them (see _watch)
         self.ttft_s: float | None = None
         self.start = time.perf_counter()
 
-    def watch(self, steps: Iterator[Step]) -> Iterator[Step]:
-        """``steps``, observed (timed while inside the decoder). Close it to close ``steps``."""
+    def watch(self, steps: Generator[Step, None, None]) -> Generator[Step, None, None]:
+        """``steps``, observed. Close it to close ``steps``."""
         return self._watch(steps) if self.enabled else steps
 
-    def _watch(self, steps: Iterator[Step]) -> Iterator[Step]:
-        clock = time.perf_counter
+    def _watch(self, steps: Generator[Step, None, None]) -> Generator[Step, None, None]:
+        # The passes are timed by the loop (Step.started, Step.seconds: the call's perf_counter clock);
+        # timed here is only the decoder's time around them: from each resume to its next pass (the
+        # lock wait and cache restore before the first), and the cleanup (the cache save) after the
+        # last. Its bookkeeping between a pass's end and its yield (text release) is not counted.
+        resumed = time.perf_counter()
         try:
-            while True:
-                t0 = clock()
-                try:
-                    step = next(steps)
-                except StopIteration:
-                    return
-                finally:
-                    t1 = clock()
-                    self.decode_s += t1 - t0
-                # the stats object runs along with the call: a pass ran iff its verify_steps went up
-                self.stats, passes = step.stats, step.stats.verify_steps
-                passed, self.verify_steps = passes > self.verify_steps, passes
-                forced = getattr(step, "forced", 0)
-                seen = Observed(passed, step.prefill, step.drafted, forced, len(step.tokens), step.seconds)
-                self.steps.append(seen)
+            for step in steps:
+                self.decode_s += step.started - resumed + step.seconds
+                self.steps.append(step)
                 if self.ttft_s is None and step.tokens:
-                    self.ttft_s = t1 - self.start
+                    self.ttft_s = step.started + step.seconds - self.start
                 yield step
+                resumed = time.perf_counter()
+            self.decode_s += time.perf_counter() - resumed  # ran to its end: the cleanup
         finally:
-            close = getattr(steps, "close", None)
-            if close is not None:
-                t0 = clock()
-                close()  # waits for the decoder's cleanup (the prefix-cache save)
-                self.decode_s += clock() - t0
+            t0 = time.perf_counter()
+            steps.close()  # closed early: waits for the decoder's cleanup
+            self.decode_s += time.perf_counter() - t0
 
     def fail(self, exc: BaseException) -> None:
         """The call raised ``exc`` (GeneratorExit: the caller closed it early, not an error)."""
@@ -228,17 +247,17 @@ class CallTrace:
             return
         self.ended = True
         duration = time.perf_counter() - self.start
-        stats = self.stats
-        baseline = None
+        stats = self.steps[-1].stats if self.steps else None  # the call's running stats
+        baseline, source = None, None
         if stats is not None and self.cost is not None:
-            self.cost.refresh(passes_of(stats, self.steps))
-            baseline = baseline_seconds(self.cost, stats)
+            self.cost.refresh(self.steps)  # before the estimate: a plain call estimates itself
+            baseline, source = baseline_seconds(self.cost, stats), self.cost.source
         if self.span is not None:
             attrs: dict[str, Any] = {}
             if stats is not None:
                 attrs.update(A.response_attributes(self.model, stats))
                 attrs.update(A.speculation_attributes(stats))
-                attrs.update(A.timing_attributes(self.ttft_s, self.decode_s, baseline))
+                attrs.update(A.timing_attributes(self.ttft_s, self.decode_s, baseline, source))
             if self.error is not None:
                 attrs[A.ERROR_TYPE] = self.error
             if self.closed_early:
@@ -267,7 +286,7 @@ class CallTrace:
                 by_source = {**spec, A.DRAFT_SOURCE: source}
                 m.draft.add(n, by_source)
                 m.accepted.add(stats.source_accepted_tokens.get(source, 0), by_source)
-        m.forced.add(getattr(stats, "forced_tokens", 0), attrs)
+        m.forced.add(stats.forced_tokens, attrs)
         m.cache_read.add(stats.cached_tokens, attrs)
         if baseline is not None:
             m.baseline.record(baseline, attrs)
@@ -294,14 +313,8 @@ def traced_stream(
     except Exception:
         described = dict(options)
     described["prefix_cache"] = prefix_cache
-    call = CallTrace(
-        pair,
-        model or pair.name,
-        described,
-        streamed=True,
-        tracer_provider=tracer_provider,
-        meter_provider=meter_provider,
-    )
+    # one call: a Telemetry of its own (a caller making many keeps one and calls its ``call``)
+    call = Telemetry(tracer_provider, meter_provider).call(pair, model or pair.name, described, streamed=True)
     steps = call.watch(stream(pair, prompt_ids, drafter, prefix_cache, **options))
     try:
         yield from steps

@@ -49,6 +49,7 @@ from agentspec.drafters import Drafter
 from agentspec.grammar import Constraint
 from agentspec.models import DEFAULT_NAME, ModelPair
 from agentspec.stats import DecodeStats
+from agentspec.telemetry import Telemetry
 from integrations.langchain.messages import Prompt, render
 from integrations.langchain.structured import (
     is_pydantic_class,
@@ -256,6 +257,7 @@ class ChatSpecDecode(BaseChatModel):
 
     _loaded: ModelPair | None = PrivateAttr(default=None)
     _own_cache: Any = PrivateAttr(default=None)  # the PrefixCache of a prefix_cache=<bytes> instance
+    _telemetry: Telemetry = PrivateAttr()  # the tracer and instruments of the providers above
 
     @model_validator(mode="before")
     @classmethod
@@ -285,6 +287,7 @@ class ChatSpecDecode(BaseChatModel):
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
         self._generation_config({})  # checks temperature, top_p, top_k, seed, stop now
+        self._telemetry = Telemetry(self.tracer_provider, self.meter_provider)
         return self
 
     # -- identity ------------------------------------------------------------------------------
@@ -693,21 +696,17 @@ class ChatSpecDecode(BaseChatModel):
         """
         from opentelemetry import trace as otel_trace
 
-        from agentspec.telemetry import CallTrace
-
         parent = None
         for handler in getattr(run_manager, "handlers", None) or []:
             span = handler.get_span(run_manager.run_id) if hasattr(handler, "get_span") else None
             if isinstance(span, otel_trace.Span):
                 parent = otel_trace.set_span_in_context(span)
-        trace = CallTrace(
+        trace = self._telemetry.call(
             call.pair if call is not None else None,
             self.model_name,
             call.options if call is not None else {},
             streamed=streamed,
             parent=parent,
-            tracer_provider=self.tracer_provider,
-            meter_provider=self.meter_provider,
         )
         if error is not None:
             trace.fail(error)
