@@ -6,11 +6,11 @@ sometimes with the start of the call forced as ``tool_choice`` does), agent turn
 result follows the assistant's call, code (write, explain, fix), and short multi-turn exchanges.
 Prompt ``i`` depends only on ``(seed, i)``, so a larger ``n`` extends a smaller one.
 
-Rendering follows ``integrations/langchain/messages.py`` (the core cannot import it: LangChain is
-optional): a template that renders ``tools=`` itself gets the schemas and calls natively; any other
-(SmolLM2's plain ChatML) gets the Hermes / Qwen2.5 block in the system message, past calls written
-as ``<tool_call>`` JSON in the assistant turn and results as role "tool" in ``<tool_response>``
-tags, so the draft learns on exactly the text the chat model puts in front of the target.
+Rendering is the chat model's own (``agentspec.chat``): a template that renders ``tools=`` itself
+gets the schemas and calls natively; any other (SmolLM2's plain ChatML) gets the Hermes / Qwen2.5
+block in the system message, past calls written as ``<tool_call>`` JSON in the assistant turn and
+results as role "tool" in ``<tool_response>`` tags, so the draft learns on exactly the text the
+chat model puts in front of the target.
 """
 
 from __future__ import annotations
@@ -18,26 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-# The same text as integrations.langchain.messages.FALLBACK_TOOLS_PROMPT (a test keeps them equal).
-FALLBACK_TOOLS_PROMPT = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from agentspec import chat
 
 KINDS = ("chat", "instruction", "tool_call", "tool_result", "code", "agent")
 KIND_WEIGHTS = (0.18, 0.2, 0.2, 0.17, 0.15, 0.1)
@@ -54,6 +38,30 @@ class PromptSpec:
         """A stable hash of the content: decides the held-out split, whatever the seed or order."""
         blob = json.dumps([self.messages, self.tools, self.tool_choice], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages in the OpenAI format: an assistant turn's call (one per turn here) gets an id,
+        which the tool result right after it answers, and its arguments as a JSON string.
+
+        ``messages`` keeps its own form: ``key`` hashes it, and the held-out split of the shipped
+        draft's data must not move.
+        """
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                calls = [
+                    {
+                        "id": f"call_{i}",
+                        "type": "function",
+                        "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])},
+                    }
+                    for c in m["tool_calls"]
+                ]
+                m = {**m, "tool_calls": calls}
+            elif m["role"] == "tool":
+                m = {**m, "tool_call_id": f"call_{i - 1}"}
+            out.append(m)
+        return out
 
 
 def is_heldout(key: str, fraction: float) -> bool:
@@ -501,57 +509,6 @@ def make_prompts(n: int, seed: int = 0) -> list[PromptSpec]:
 
 
 # ------------------------------------------------------------------------------------- rendering
-def template_source(tokenizer: Any) -> str:
-    tmpl = getattr(tokenizer, "chat_template", None)
-    if isinstance(tmpl, dict):
-        tmpl = tmpl.get("tool_use") or tmpl.get("default") or next(iter(tmpl.values()), None)
-    if not isinstance(tmpl, str):
-        raise ValueError("the tokenizer has no chat template: pass prompts as token ids instead")
-    return tmpl
-
-
-def forced_prefix(fmt: str, tool_choice: str | None, tools: list[dict]) -> str:
-    """The start of the reply ``tool_choice`` forces (as ``integrations.langchain.messages``)."""
-    if not tools or tool_choice is None:
-        return ""
-    tagged = fmt != "json"
-    start = f"{OPEN}\n" if tagged else ""
-    if tool_choice == "any" and len(tools) > 1:
-        return start + '{"name": "'
-    fn = TOOL_BY_NAME.get(tool_choice, tools[0])["function"] if tool_choice != "any" else tools[0]["function"]
-    key = "arguments" if tagged else "parameters"
-    required = fn["parameters"].get("required") or []
-    head = start + f'{{"name": {json.dumps(fn["name"])}, "{key}":'
-    return head + f" {{{json.dumps(required[0])}:" if required else head
-
-
 def render(tokenizer: Any, spec: PromptSpec) -> list[int]:
     """Token ids of ``spec`` with the assistant's generation prompt (and any forced start)."""
-    src = template_source(tokenizer)
-    native = re.search(r"\btools\b", src) is not None
-    native_calls = native and re.search(r"\btool_calls\b", src) is not None
-    fmt = "json" if native and OPEN not in src and "parameters" in src else "hermes"
-    convo: list[dict[str, Any]] = []
-    for m in spec.messages:
-        m = dict(m)
-        if m["role"] == "assistant" and m.get("tool_calls") and not native_calls:
-            calls = m.pop("tool_calls")
-            bodies = [
-                json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-                for c in calls
-            ]
-            parts = [m["content"].lstrip(), *(f"{OPEN}\n{b}\n{CLOSE}" for b in bodies)]
-            m["content"] = "\n".join(p for p in parts if p)
-        elif m["role"] == "tool" and not native:
-            m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
-        convo.append(m)
-    if spec.tools and not native:
-        block = FALLBACK_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in spec.tools))
-        if convo and convo[0]["role"] == "system":
-            convo[0] = {**convo[0], "content": f"{convo[0]['content']}\n\n{block}"}
-        else:
-            convo.insert(0, {"role": "system", "content": block})
-    tools = spec.tools if native and spec.tools else None
-    text = tokenizer.apply_chat_template(convo, tools=tools, add_generation_prompt=True, tokenize=False)
-    text += forced_prefix(fmt, spec.tool_choice, spec.tools)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return chat.render(tokenizer, spec.chat_messages(), spec.tools, spec.tool_choice).ids

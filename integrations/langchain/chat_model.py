@@ -418,7 +418,7 @@ class ChatSpecDecode(BaseChatModel):
         """Text the reply is forced to start with; None: what ``tool_choice`` demands.
 
         A hook for subclasses (scripted tests, constrained starts); the default defers to
-        ``messages.forced_prefix``.
+        ``agentspec.chat.prompt.forced_prefix``.
         """
         return None
 
