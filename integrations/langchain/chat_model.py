@@ -1,6 +1,7 @@
 """``ChatSpecDecode``: a LangChain chat model over agentspec's decoding loop.
 
-One path: ``_stream`` renders the messages, runs ``agentspec.stream`` and turns its steps into
+One path: ``_stream`` prepares the request with ``agentspec.chat`` (the messages converted to the
+OpenAI format), runs ``agentspec.stream`` and turns its steps into
 chunks; ``_generate`` only aggregates ``_stream`` (so tool calls, usage and metadata are the same
 on both), and ``_astream`` runs ``_stream`` on one worker thread (the pair's lock must be released
 by the thread that took it, which LangChain's default per-chunk executor hop does not guarantee).
