@@ -244,7 +244,7 @@ def default_draft_folder() -> Path | None:
 
     None when the folder is missing (a source checkout without it): the pair then has no draft model.
     """
-    from agentspec.distill.student import is_draft_folder
+    from agentspec.draft_folder import is_draft_folder
 
     return DEFAULT_DRAFT if is_draft_folder(DEFAULT_DRAFT) else None
 
@@ -287,7 +287,7 @@ def load_pair(
     if draft_model is False:
         draft_model = None
     if draft_model is not None:
-        from agentspec.distill.student import is_draft_folder, load_draft
+        from agentspec.draft_folder import is_draft_folder, load_draft
 
         if is_draft_folder(draft_model):  # distilled by `agentspec distill`: the target's embeddings
             draft = load_draft(draft_model, target)

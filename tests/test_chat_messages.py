@@ -13,7 +13,8 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from integrations.langchain.messages import forced_prefix, render, template_features
+from agentspec.chat.prompt import forced_prefix, template_features
+from integrations.langchain.messages import render
 from integrations.langchain.tool_parsing import parse_tool_calls
 
 pytestmark = pytest.mark.model

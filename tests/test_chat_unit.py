@@ -7,9 +7,9 @@ from langchain_core.tools import tool
 from pydantic import ValidationError
 
 import integrations.langchain as lc
+from agentspec.chat.request import normalise_tool_choice
 from agentspec.models import ModelPair
 from integrations.langchain import ChatSpecDecode
-from integrations.langchain.chat_model import normalise_tool_choice
 
 
 @tool

@@ -16,18 +16,12 @@ import pytest
 import torch
 
 import agentspec
-from agentspec.distill import DistillConfig, distill, is_draft_folder, load_draft
+from agentspec.distill import DistillConfig, distill
 from agentspec.distill.data import Example, load_examples
 from agentspec.distill.prompts import KINDS, PromptSpec, is_heldout, make_prompts, render
-from agentspec.distill.student import (
-    MARKER,
-    OUTSIDE_LOGIT,
-    VOCAB_KEY,
-    SubsetHead,
-    build_student,
-    draft_vocab,
-)
+from agentspec.distill.student import build_student, draft_vocab
 from agentspec.distill.train import accepted_run, collate, distill_loss, lr_at, make_batches
+from agentspec.draft_folder import MARKER, OUTSIDE_LOGIT, VOCAB_KEY, SubsetHead, is_draft_folder, load_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -260,13 +254,6 @@ def test_prompts_are_deterministic_varied_and_prefix_stable(byte_tokenizer):
     )
 
 
-def test_fallback_tool_prompt_is_the_chat_models():
-    from agentspec.distill import prompts
-    from integrations.langchain import messages
-
-    assert prompts.FALLBACK_TOOLS_PROMPT == messages.FALLBACK_TOOLS_PROMPT
-
-
 @pytest.mark.model
 def test_prompts_render_as_the_chat_model_renders_them():
     """On SmolLM2's tokenizer, every kind renders to the ids ``integrations.langchain`` gives."""
@@ -472,3 +459,19 @@ def test_eagle_unrolled_training_runs_and_reports_the_chained_agreement(
     assert 0.0 <= held["chained_agreement"] <= 1.0 and 0.0 <= held["top1_agreement"] <= 1.0
     with pytest.raises(ValueError, match="eagle_unroll"):
         DistillConfig(eagle_unroll=3)
+
+
+@pytest.mark.model
+def test_loading_the_embedded_pair_does_not_import_the_trainer():
+    """Reading a draft folder belongs with loading models: ``agentspec.distill`` stays unimported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, agentspec;"
+        "pair = agentspec.load_pair();"
+        "assert pair.draft is not None, 'the embedded pair has its distilled draft';"
+        "bad = [m for m in sys.modules if m.startswith('agentspec.distill')];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})

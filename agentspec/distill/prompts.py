@@ -6,11 +6,11 @@ sometimes with the start of the call forced as ``tool_choice`` does), agent turn
 result follows the assistant's call, code (write, explain, fix), and short multi-turn exchanges.
 Prompt ``i`` depends only on ``(seed, i)``, so a larger ``n`` extends a smaller one.
 
-Rendering follows ``integrations/langchain/messages.py`` (the core cannot import it: LangChain is
-optional): a template that renders ``tools=`` itself gets the schemas and calls natively; any other
-(SmolLM2's plain ChatML) gets the Hermes / Qwen2.5 block in the system message, past calls written
-as ``<tool_call>`` JSON in the assistant turn and results as role "tool" in ``<tool_response>``
-tags, so the draft learns on exactly the text the chat model puts in front of the target.
+Rendering is the chat model's own (``agentspec.chat``): a template that renders ``tools=`` itself
+gets the schemas and calls natively; any other (SmolLM2's plain ChatML) gets the Hermes / Qwen2.5
+block in the system message, past calls written as ``<tool_call>`` JSON in the assistant turn and
+results as role "tool" in ``<tool_response>`` tags, so the draft learns on exactly the text the
+chat model puts in front of the target.
 """
 
 from __future__ import annotations
@@ -18,26 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-# The same text as integrations.langchain.messages.FALLBACK_TOOLS_PROMPT (a test keeps them equal).
-FALLBACK_TOOLS_PROMPT = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from agentspec import chat
 
 KINDS = ("chat", "instruction", "tool_call", "tool_result", "code", "agent")
 KIND_WEIGHTS = (0.18, 0.2, 0.2, 0.17, 0.15, 0.1)
@@ -54,6 +38,30 @@ class PromptSpec:
         """A stable hash of the content: decides the held-out split, whatever the seed or order."""
         blob = json.dumps([self.messages, self.tools, self.tool_choice], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages in the OpenAI format: an assistant turn's call (one per turn here) gets an id,
+        which the tool result right after it answers, and its arguments as a JSON string.
+
+        ``messages`` keeps its own form: ``key`` hashes it, and the held-out split of the shipped
+        draft's data must not move.
+        """
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                calls = [
+                    {
+                        "id": f"call_{i}",
+                        "type": "function",
+                        "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])},
+                    }
+                    for c in m["tool_calls"]
+                ]
+                m = {**m, "tool_calls": calls}
+            elif m["role"] == "tool":
+                m = {**m, "tool_call_id": f"call_{i - 1}"}
+            out.append(m)
+        return out
 
 
 def is_heldout(key: str, fraction: float) -> bool:
@@ -305,99 +313,140 @@ TOOLS = [
 TOOL_BY_NAME = {t["function"]["name"]: t for t in TOOLS}
 
 
-def _tool_request(rng: random.Random, name: str) -> tuple[str, dict, Any]:
-    """(user request, call arguments, tool result) for one tool, with random slot values."""
-    city, person = rng.choice(CITIES), rng.choice(NAMES)
-    if name == "get_weather":
-        unit = rng.choice(["celsius", "fahrenheit"])
-        result = {
-            "city": city,
-            "temp": rng.randint(-5, 35),
-            "unit": unit,
-            "sky": rng.choice(["sunny", "rain"]),
-        }
-        return (
-            rng.choice([f"What's the weather in {city}?", f"Is it cold in {city} today? Use {unit}."]),
-            {"city": city, "unit": unit},
-            result,
-        )
-    if name == "search_web":
-        topic = rng.choice(TOPICS)
-        results = [
-            {"title": f"{topic.title()} explained", "url": f"https://example.org/{i}"} for i in range(2)
-        ]
-        return (
-            f"Search the web for recent news about {topic}.",
-            {"query": f"{topic} news", "max_results": 2},
-            results,
-        )
-    if name == "get_order":
-        oid = f"{rng.choice('ABCDK')}-{rng.randint(10000, 99999)}"
-        status = rng.choice(["shipped", "processing", "delivered", "cancelled"])
-        return (
-            f"Where is my order {oid}?",
-            {"order_id": oid},
-            {"order_id": oid, "status": status, "carrier": "DHL"},
-        )
-    if name == "send_email":
-        to = f"{person.lower()}@example.com"
-        return (
-            f"Email {person} at {to} that the report is ready.",
-            {"to": to, "subject": "Report ready", "body": f"Hi {person}, the report is ready."},
-            {"sent": True},
-        )
-    if name == "create_event":
-        date = f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-        return (
-            f"Book a meeting with {person} on {date} at 10:00.",
-            {"title": f"Meeting with {person}", "date": date, "time": "10:00"},
-            {"event_id": rng.randint(100, 999)},
-        )
-    if name == "run_sql":
-        table = rng.choice(["orders", "users", "payments"])
-        query = f"SELECT COUNT(*) FROM {table} WHERE created_at >= '2024-01-01'"
-        return (
-            f"How many {table} were created since January 2024?",
-            {"query": query},
-            [{"count": rng.randint(5, 9000)}],
-        )
-    if name == "read_file":
-        path = rng.choice(["README.md", "src/main.py", "config.yaml", "notes/todo.txt"])
-        return (
-            f"Show me what's in {path}.",
-            {"path": path},
-            {"content": "TODO: fix login bug\nTODO: add tests"},
-        )
-    if name == "convert_currency":
-        amount, (a, b) = rng.randint(5, 5000), rng.sample(["USD", "EUR", "JPY", "GBP", "INR"], 2)
-        return (
-            f"Convert {amount} {a} to {b}.",
-            {"amount": amount, "from_currency": a, "to_currency": b},
-            {"result": round(amount * rng.uniform(0.5, 1.5), 2), "currency": b},
-        )
-    if name == "get_stock_price":
-        sym = rng.choice(["AAPL", "MSFT", "NVDA", "TSLA", "AMZN"])
-        return (
-            f"What is {sym} trading at?",
-            {"symbol": sym},
-            {"symbol": sym, "price": round(rng.uniform(50, 900), 2)},
-        )
-    if name == "multiply":
-        a, b = rng.randint(2, 999), rng.randint(2, 99)
-        return f"What is {a} times {b}?", {"a": a, "b": b}, a * b
-    if name == "search_products":
-        item, price = (
-            rng.choice(["headphones", "desk lamp", "running shoes", "backpack"]),
-            rng.randint(20, 300),
-        )
-        return (
-            f"Find me {item} under {price} dollars.",
-            {"query": item, "max_price": price},
-            [{"name": f"Basic {item}", "price": price - 5}, {"name": f"Pro {item}", "price": price - 1}],
-        )
+def _get_weather(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    unit = rng.choice(["celsius", "fahrenheit"])
+    result = {
+        "city": city,
+        "temp": rng.randint(-5, 35),
+        "unit": unit,
+        "sky": rng.choice(["sunny", "rain"]),
+    }
+    return (
+        rng.choice([f"What's the weather in {city}?", f"Is it cold in {city} today? Use {unit}."]),
+        {"city": city, "unit": unit},
+        result,
+    )
+
+
+def _search_web(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    topic = rng.choice(TOPICS)
+    results = [{"title": f"{topic.title()} explained", "url": f"https://example.org/{i}"} for i in range(2)]
+    return (
+        f"Search the web for recent news about {topic}.",
+        {"query": f"{topic} news", "max_results": 2},
+        results,
+    )
+
+
+def _get_order(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    oid = f"{rng.choice('ABCDK')}-{rng.randint(10000, 99999)}"
+    status = rng.choice(["shipped", "processing", "delivered", "cancelled"])
+    return (
+        f"Where is my order {oid}?",
+        {"order_id": oid},
+        {"order_id": oid, "status": status, "carrier": "DHL"},
+    )
+
+
+def _send_email(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    to = f"{person.lower()}@example.com"
+    return (
+        f"Email {person} at {to} that the report is ready.",
+        {"to": to, "subject": "Report ready", "body": f"Hi {person}, the report is ready."},
+        {"sent": True},
+    )
+
+
+def _create_event(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    date = f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    return (
+        f"Book a meeting with {person} on {date} at 10:00.",
+        {"title": f"Meeting with {person}", "date": date, "time": "10:00"},
+        {"event_id": rng.randint(100, 999)},
+    )
+
+
+def _run_sql(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    table = rng.choice(["orders", "users", "payments"])
+    query = f"SELECT COUNT(*) FROM {table} WHERE created_at >= '2024-01-01'"
+    return (
+        f"How many {table} were created since January 2024?",
+        {"query": query},
+        [{"count": rng.randint(5, 9000)}],
+    )
+
+
+def _read_file(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    path = rng.choice(["README.md", "src/main.py", "config.yaml", "notes/todo.txt"])
+    return (
+        f"Show me what's in {path}.",
+        {"path": path},
+        {"content": "TODO: fix login bug\nTODO: add tests"},
+    )
+
+
+def _convert_currency(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    amount, (a, b) = rng.randint(5, 5000), rng.sample(["USD", "EUR", "JPY", "GBP", "INR"], 2)
+    return (
+        f"Convert {amount} {a} to {b}.",
+        {"amount": amount, "from_currency": a, "to_currency": b},
+        {"result": round(amount * rng.uniform(0.5, 1.5), 2), "currency": b},
+    )
+
+
+def _get_stock_price(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    sym = rng.choice(["AAPL", "MSFT", "NVDA", "TSLA", "AMZN"])
+    return (
+        f"What is {sym} trading at?",
+        {"symbol": sym},
+        {"symbol": sym, "price": round(rng.uniform(50, 900), 2)},
+    )
+
+
+def _multiply(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    a, b = rng.randint(2, 999), rng.randint(2, 99)
+    return f"What is {a} times {b}?", {"a": a, "b": b}, a * b
+
+
+def _search_products(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
+    item, price = (
+        rng.choice(["headphones", "desk lamp", "running shoes", "backpack"]),
+        rng.randint(20, 300),
+    )
+    return (
+        f"Find me {item} under {price} dollars.",
+        {"query": item, "max_price": price},
+        [{"name": f"Basic {item}", "price": price - 5}, {"name": f"Pro {item}", "price": price - 1}],
+    )
+
+
+def _translate(rng: random.Random, city: str, person: str) -> tuple[str, dict, Any]:
     text = rng.choice(SENTENCES)
     lang = rng.choice(["French", "Spanish", "German", "Japanese"])
     return f"Translate into {lang}: {text}", {"text": text, "target_language": lang}, {"translation": "..."}
+
+
+# one tool's (user request, call arguments, tool result), given a random city and person
+_REQUESTS = {
+    "get_weather": _get_weather,
+    "search_web": _search_web,
+    "get_order": _get_order,
+    "send_email": _send_email,
+    "create_event": _create_event,
+    "run_sql": _run_sql,
+    "read_file": _read_file,
+    "convert_currency": _convert_currency,
+    "get_stock_price": _get_stock_price,
+    "multiply": _multiply,
+    "search_products": _search_products,
+    "translate": _translate,
+}
+
+
+def _tool_request(rng: random.Random, name: str) -> tuple[str, dict, Any]:
+    """(user request, call arguments, tool result) for one tool, with random slot values."""
+    city, person = rng.choice(CITIES), rng.choice(NAMES)
+    return _REQUESTS[name](rng, city, person)
 
 
 def _tool_set(rng: random.Random, must: str) -> list[dict]:
@@ -415,75 +464,92 @@ def _system(rng: random.Random, p: float = 0.6) -> list[dict]:
     return [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < p else []
 
 
-def make_prompt(seed: int, index: int) -> PromptSpec:
-    """Prompt ``index`` of the generator seeded with ``seed`` (a pure function of the two)."""
-    rng = random.Random(f"agentspec-distill:{seed}:{index}")
-    kind = rng.choices(KINDS, KIND_WEIGHTS)[0]
-    user = lambda text: {"role": "user", "content": text}  # noqa: E731
-    if kind == "chat":
-        text = rng.choice(
-            [
-                f"What is {rng.choice(TOPICS)}?",
-                f"Explain {rng.choice(TOPICS)} to a ten-year-old.",
-                f"How do I {rng.choice(HOWTOS)}?",
-                f"Tell me an interesting fact about {rng.choice(CITIES)}.",
-                f"Hi! I'm {rng.choice(NAMES)}. Can you help me {rng.choice(HOWTOS)}?",
-                f"What are the pros and cons of {rng.choice(TOPICS)}?",
-                "Hello, how are you today?",
-                f"What is the difference between {rng.choice(TOPICS)} and {rng.choice(TOPICS)}?",
-                f"I'm visiting {rng.choice(CITIES)} next week. What should I see?",
-                f"My friend {rng.choice(NAMES)} wrote: '{rng.choice(SENTENCES)}'. How should I reply?",
-                f"Why is {rng.choice(TOPICS)} important? Answer in {rng.randint(2, 4)} sentences.",
-            ]
-        )
-        return PromptSpec(kind, [*_system(rng, 0.3), user(text)])
-    if kind == "instruction":
-        text = rng.choice(
-            [
-                f"Rewrite this more formally: {rng.choice(SENTENCES)}",
-                f"Fix the grammar and punctuation: {rng.choice(SENTENCES)}",
-                f"Summarise in one sentence:\n{rng.choice(PARAGRAPHS)}",
-                f"List {rng.randint(3, 7)} {rng.choice(THINGS)}.",
-                f"Give me {rng.randint(2, 5)} bullet points about {rng.choice(TOPICS)}.",
-                f"Extract every number from this text as a JSON list:\n{rng.choice(PARAGRAPHS)}",
-                f"Translate into {rng.choice(['French', 'Spanish', 'German'])}: {rng.choice(SENTENCES)}",
-                f"Write a short email to {rng.choice(NAMES)} saying that {rng.choice(SENTENCES)}.",
-            ]
-        )
-        return PromptSpec(kind, [*_system(rng, 0.3), user(text)])
-    if kind == "code":
-        lang = rng.choice(LANGUAGES)
-        text = rng.choice(
-            [
-                f"Write a {lang} function that {rng.choice(CODE_TASKS)}.",
-                f"Explain what this code does:\n```\n{rng.choice(SNIPPETS)}\n```",
-                f"Add type hints and a docstring:\n```python\n{rng.choice(SNIPPETS[:4])}\n```",
-                f"Find the bug and fix it:\n```python\n{rng.choice(SNIPPETS[4:] + SNIPPETS[:1])}\n```",
-                f"Write a unit test for a function that {rng.choice(CODE_TASKS)}.",
-            ]
-        )
-        return PromptSpec(kind, [*_system(rng, 0.4), user(text)])
+def _chat_text(rng: random.Random) -> str:
+    return rng.choice(
+        [
+            f"What is {rng.choice(TOPICS)}?",
+            f"Explain {rng.choice(TOPICS)} to a ten-year-old.",
+            f"How do I {rng.choice(HOWTOS)}?",
+            f"Tell me an interesting fact about {rng.choice(CITIES)}.",
+            f"Hi! I'm {rng.choice(NAMES)}. Can you help me {rng.choice(HOWTOS)}?",
+            f"What are the pros and cons of {rng.choice(TOPICS)}?",
+            "Hello, how are you today?",
+            f"What is the difference between {rng.choice(TOPICS)} and {rng.choice(TOPICS)}?",
+            f"I'm visiting {rng.choice(CITIES)} next week. What should I see?",
+            f"My friend {rng.choice(NAMES)} wrote: '{rng.choice(SENTENCES)}'. How should I reply?",
+            f"Why is {rng.choice(TOPICS)} important? Answer in {rng.randint(2, 4)} sentences.",
+        ]
+    )
+
+
+def _instruction_text(rng: random.Random) -> str:
+    return rng.choice(
+        [
+            f"Rewrite this more formally: {rng.choice(SENTENCES)}",
+            f"Fix the grammar and punctuation: {rng.choice(SENTENCES)}",
+            f"Summarise in one sentence:\n{rng.choice(PARAGRAPHS)}",
+            f"List {rng.randint(3, 7)} {rng.choice(THINGS)}.",
+            f"Give me {rng.randint(2, 5)} bullet points about {rng.choice(TOPICS)}.",
+            f"Extract every number from this text as a JSON list:\n{rng.choice(PARAGRAPHS)}",
+            f"Translate into {rng.choice(['French', 'Spanish', 'German'])}: {rng.choice(SENTENCES)}",
+            f"Write a short email to {rng.choice(NAMES)} saying that {rng.choice(SENTENCES)}.",
+        ]
+    )
+
+
+def _code_text(rng: random.Random) -> str:
+    lang = rng.choice(LANGUAGES)
+    return rng.choice(
+        [
+            f"Write a {lang} function that {rng.choice(CODE_TASKS)}.",
+            f"Explain what this code does:\n```\n{rng.choice(SNIPPETS)}\n```",
+            f"Add type hints and a docstring:\n```python\n{rng.choice(SNIPPETS[:4])}\n```",
+            f"Find the bug and fix it:\n```python\n{rng.choice(SNIPPETS[4:] + SNIPPETS[:1])}\n```",
+            f"Write a unit test for a function that {rng.choice(CODE_TASKS)}.",
+        ]
+    )
+
+
+# the kinds that are one user request: its text, and how often a system message comes before it
+_TEXT_KINDS = {"chat": (_chat_text, 0.3), "instruction": (_instruction_text, 0.3), "code": (_code_text, 0.4)}
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _tool_prompt(rng: random.Random, kind: str) -> PromptSpec:
+    """A "tool_call", "tool_result" or "agent" prompt."""
     name = rng.choice(list(TOOL_BY_NAME))
     tools = _tool_set(rng, name)
     request, args, result = _tool_request(rng, name)
     if kind == "tool_call":
         # like bind_tools(..., tool_choice=...) in the chat model: the call's start is often forced
         choice = rng.choice([None, None, "any", name])
-        return PromptSpec(kind, [*_system(rng, 0.5), user(request)], tools, choice)
-    if kind == "tool_result":
-        msgs = [*_system(rng, 0.5), user(request)]
-        msgs += [{"role": "assistant", "content": "", "tool_calls": [_call(name, args)]}]
-        msgs += [{"role": "tool", "name": name, "content": json.dumps(result)}]
-        return PromptSpec(kind, msgs, tools)
-    # agent: a short multi-turn history, then a follow-up that may need another call
-    msgs = [*_system(rng, 0.8), user(request)]
+        return PromptSpec(kind, [*_system(rng, 0.5), _user(request)], tools, choice)
+    msgs = [*_system(rng, 0.5 if kind == "tool_result" else 0.8), _user(request)]
     msgs += [{"role": "assistant", "content": "", "tool_calls": [_call(name, args)]}]
     msgs += [{"role": "tool", "name": name, "content": json.dumps(result)}]
+    if kind == "tool_result":
+        return PromptSpec(kind, msgs, tools)
+    # agent: a short multi-turn history, then a follow-up that may need another call
     msgs += [{"role": "assistant", "content": f"Here is what I found: {json.dumps(result)[:80]}"}]
     follow_name = rng.choice([t["function"]["name"] for t in tools])
     follow, _, _ = _tool_request(rng, follow_name)
-    msgs += [user(rng.choice([follow, "Thanks! Can you summarise that in one line?", f"And also: {follow}"]))]
+    follow = rng.choice([follow, "Thanks! Can you summarise that in one line?", f"And also: {follow}"])
+    msgs += [_user(follow)]
     return PromptSpec(kind, msgs, tools, rng.choice([None, None, "any"]))
+
+
+def make_prompt(seed: int, index: int) -> PromptSpec:
+    """Prompt ``index`` of the generator seeded with ``seed`` (a pure function of the two)."""
+    rng = random.Random(f"agentspec-distill:{seed}:{index}")
+    kind = rng.choices(KINDS, KIND_WEIGHTS)[0]
+    if kind in _TEXT_KINDS:
+        text_of, p_system = _TEXT_KINDS[kind]
+        text = text_of(rng)
+        return PromptSpec(kind, [*_system(rng, p_system), _user(text)])
+    return _tool_prompt(rng, kind)
 
 
 def make_prompts(n: int, seed: int = 0) -> list[PromptSpec]:
@@ -501,57 +567,6 @@ def make_prompts(n: int, seed: int = 0) -> list[PromptSpec]:
 
 
 # ------------------------------------------------------------------------------------- rendering
-def template_source(tokenizer: Any) -> str:
-    tmpl = getattr(tokenizer, "chat_template", None)
-    if isinstance(tmpl, dict):
-        tmpl = tmpl.get("tool_use") or tmpl.get("default") or next(iter(tmpl.values()), None)
-    if not isinstance(tmpl, str):
-        raise ValueError("the tokenizer has no chat template: pass prompts as token ids instead")
-    return tmpl
-
-
-def forced_prefix(fmt: str, tool_choice: str | None, tools: list[dict]) -> str:
-    """The start of the reply ``tool_choice`` forces (as ``integrations.langchain.messages``)."""
-    if not tools or tool_choice is None:
-        return ""
-    tagged = fmt != "json"
-    start = f"{OPEN}\n" if tagged else ""
-    if tool_choice == "any" and len(tools) > 1:
-        return start + '{"name": "'
-    fn = TOOL_BY_NAME.get(tool_choice, tools[0])["function"] if tool_choice != "any" else tools[0]["function"]
-    key = "arguments" if tagged else "parameters"
-    required = fn["parameters"].get("required") or []
-    head = start + f'{{"name": {json.dumps(fn["name"])}, "{key}":'
-    return head + f" {{{json.dumps(required[0])}:" if required else head
-
-
 def render(tokenizer: Any, spec: PromptSpec) -> list[int]:
     """Token ids of ``spec`` with the assistant's generation prompt (and any forced start)."""
-    src = template_source(tokenizer)
-    native = re.search(r"\btools\b", src) is not None
-    native_calls = native and re.search(r"\btool_calls\b", src) is not None
-    fmt = "json" if native and OPEN not in src and "parameters" in src else "hermes"
-    convo: list[dict[str, Any]] = []
-    for m in spec.messages:
-        m = dict(m)
-        if m["role"] == "assistant" and m.get("tool_calls") and not native_calls:
-            calls = m.pop("tool_calls")
-            bodies = [
-                json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-                for c in calls
-            ]
-            parts = [m["content"].lstrip(), *(f"{OPEN}\n{b}\n{CLOSE}" for b in bodies)]
-            m["content"] = "\n".join(p for p in parts if p)
-        elif m["role"] == "tool" and not native:
-            m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
-        convo.append(m)
-    if spec.tools and not native:
-        block = FALLBACK_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in spec.tools))
-        if convo and convo[0]["role"] == "system":
-            convo[0] = {**convo[0], "content": f"{convo[0]['content']}\n\n{block}"}
-        else:
-            convo.insert(0, {"role": "system", "content": block})
-    tools = spec.tools if native and spec.tools else None
-    text = tokenizer.apply_chat_template(convo, tools=tools, add_generation_prompt=True, tokenize=False)
-    text += forced_prefix(fmt, spec.tool_choice, spec.tools)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return chat.render(tokenizer, spec.chat_messages(), spec.tools, spec.tool_choice).ids

@@ -1,6 +1,7 @@
 """``ChatSpecDecode``: a LangChain chat model over agentspec's decoding loop.
 
-One path: ``_stream`` renders the messages, runs ``agentspec.stream`` and turns its steps into
+One path: ``_stream`` prepares the request with ``agentspec.chat`` (the messages converted to the
+OpenAI format), runs ``agentspec.stream`` and turns its steps into
 chunks; ``_generate`` only aggregates ``_stream`` (so tool calls, usage and metadata are the same
 on both), and ``_astream`` runs ``_stream`` on one worker thread (the pair's lock must be released
 by the thread that took it, which LangChain's default per-chunk executor hop does not guarantee).
@@ -21,10 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
-import functools
-import inspect
-import json
-import logging
 import threading
 import time
 import weakref
@@ -43,21 +40,16 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 import agentspec
+from agentspec import chat
+from agentspec.chat.request import checked_tools, normalise_tool_choice, output_grammar, response_schema
 from agentspec.config import GenerationConfig
 from agentspec.decode import DRAFTER_NAMES
 from agentspec.drafters import Drafter
-from agentspec.grammar import Constraint
 from agentspec.models import DEFAULT_NAME, ModelPair
 from agentspec.stats import DecodeStats
 from agentspec.telemetry import Telemetry
-from integrations.langchain.messages import Prompt, render
-from integrations.langchain.structured import (
-    is_pydantic_class,
-    output_grammar,
-    response_schema,
-    structured_parser,
-)
-from integrations.langchain.tool_parsing import OPEN, ToolCallSplitter
+from integrations.langchain.messages import to_openai_messages
+from integrations.langchain.structured import openai_response_format, structured_parser
 
 # Arguments LangChain's standard tests and callers pass to any chat model; meaningless for a local
 # model, so they are accepted and dropped. Any other unknown argument is an error (a typo would
@@ -75,8 +67,6 @@ _CALL_OVERRIDES = {
 _PAIRS: weakref.WeakValueDictionary[tuple, ModelPair] = weakref.WeakValueDictionary()
 _PAIRS_LOCK = threading.Lock()
 
-log = logging.getLogger(__name__)
-
 
 def shared_pair(model: str | None, draft_model: str | None, device: str | None, dtype: str | None):
     """``load_pair`` once per distinct request in this process; later calls get the same pair."""
@@ -87,13 +77,6 @@ def shared_pair(model: str | None, draft_model: str | None, device: str | None, 
             pair = agentspec.load_pair(model, draft_model, device=device, dtype=dtype)
             _PAIRS[key] = pair
         return pair
-
-
-@functools.cache
-def _core_accepts(option: str) -> bool:
-    """Whether ``agentspec.stream`` takes ``option`` (as a parameter or a GenerationConfig field)."""
-    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
-    return option in fields or option in inspect.signature(agentspec.stream).parameters
 
 
 def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:
@@ -115,44 +98,11 @@ def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:
     }
 
 
-def checked_tool_name(tool: Any, index: int) -> str:
-    """The name of an OpenAI-format tool, or a ValueError saying what is wrong with it."""
-    function = tool.get("function") if isinstance(tool, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"bind_tools: tool {index} has no name (a non-empty string): {str(tool)[:120]}")
-    return name
-
-
-def normalise_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
-    """None/"auto" (the model decides), "none", "any" (some tool; also "required"/True), or a name."""
-    if isinstance(tool_choice, dict):  # OpenAI form {"type": "function", "function": {"name": ...}}
-        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-    if tool_choice is None or tool_choice == "auto" or tool_choice is False:
-        return None
-    if tool_choice is True or tool_choice in ("any", "required"):
-        if not names:
-            raise ValueError(f"tool_choice={tool_choice!r} needs at least one tool")
-        return "any"
-    if tool_choice == "none":
-        return "none"
-    if isinstance(tool_choice, str) and tool_choice in names:
-        return tool_choice
-    raise ValueError(
-        f"tool_choice: expected None, 'auto', 'none', 'any', 'required' or one of the bound tool "
-        f"names {list(names)}, got {tool_choice!r}"
-    )
-
-
-def _count_calls(events: list) -> int:
-    return sum(kind == "call" for kind, _ in events)
-
-
 def _chunk_of_call(call: dict, index: int) -> dict:
-    """A whole call as one indexed tool_call_chunk (invalid ones keep their raw text as args)."""
-    valid = call["type"] == "tool_call"
-    args = json.dumps(call["args"], ensure_ascii=False) if valid else call["args"]
-    return tool_call_chunk(name=call["name"], args=args, id=call["id"], index=index)
+    """A whole ``agentspec.chat`` call as one indexed tool_call_chunk (an invalid one's arguments
+    are the model's raw text)."""
+    function = call["function"]
+    return tool_call_chunk(name=function["name"], args=function["arguments"], id=call["id"], index=index)
 
 
 @dataclasses.dataclass
@@ -160,11 +110,9 @@ class _Call:
     """One request, prepared: what ``_stream`` runs."""
 
     pair: ModelPair
-    prompt: Prompt
-    options: dict[str, Any]  # agentspec.stream options (GenerationConfig fields, prefix_cache)
+    request: chat.PreparedRequest  # prompt ids, the reply's grammar and forced start, its tools
+    options: dict[str, Any]  # agentspec.stream options (GenerationConfig fields, prefix_cache, grammar)
     drafter: Any
-    names: set[str] | None  # bound tool names; None = no tool parsing
-    single: bool  # one call wanted (a named tool, or parallel_tool_calls=False): stop after it
 
 
 class ChatSpecDecode(BaseChatModel):
@@ -273,7 +221,8 @@ class ChatSpecDecode(BaseChatModel):
     @model_validator(mode="after")
     def _check(self) -> ChatSpecDecode:
         if self.pair is not None:
-            clash = [n for n in ("draft_model", "device", "dtype") if getattr(self, n) is not None]
+            given = {"draft_model": self.draft_model, "device": self.device, "dtype": self.dtype}
+            clash = [n for n, v in given.items() if v is not None]
             if self.model is not None and self.model != self.pair.name:
                 clash.insert(0, "model")
             if clash:
@@ -305,7 +254,7 @@ class ChatSpecDecode(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        drafter = self.drafter if isinstance(self.drafter, str) else getattr(self.drafter, "name", "custom")
+        drafter = self.drafter if isinstance(self.drafter, str) else self.drafter.name
         return {
             "model": self.model_name,
             "draft_model": self.pair.draft_name if self.pair is not None else self.draft_model,
@@ -366,20 +315,11 @@ class ChatSpecDecode(BaseChatModel):
         tool (or "any" with a single tool bound) gives exactly one call, and decoding stops as soon
         as it is complete; ``parallel_tool_calls=False`` does the same for any reply.
         """
-        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
-        names = [checked_tool_name(t, i) for i, t in enumerate(formatted)]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:  # a call names its tool, so one name is one tool: the first definition wins
-            # (LangChain's own conformance tests bind a pydantic model and its JSON schema together)
-            log.warning("bind_tools: %s bound more than once; the first definition is kept", repeated)
-            kept = {}
-            for name, tool in zip(names, formatted):
-                kept.setdefault(name, tool)
-            formatted, names = list(kept.values()), list(kept)
-        choice = normalise_tool_choice(tool_choice, names)
+        formatted = checked_tools([convert_to_openai_tool(t, strict=strict) for t in tools])
+        choice = normalise_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
-        answer = response_schema(kwargs.get("response_format"))
+        answer = response_schema(openai_response_format(kwargs.get("response_format")))
         if kwargs.get("constrained", self.constrained):  # a schema the grammar engine refuses fails here
             output_grammar(formatted if choice != "none" else [], choice, answer, "hermes", single=False)
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
@@ -413,8 +353,7 @@ class ChatSpecDecode(BaseChatModel):
         if schema is None and method == "json_mode":
             json_schema, parser = {"type": "object"}, structured_parser(dict)
         else:
-            json_schema = schema if isinstance(schema, dict) and not is_pydantic_class(schema) else None
-            json_schema = response_schema(json_schema) if json_schema is not None else None
+            json_schema = response_schema(schema) if isinstance(schema, dict) else None
             json_schema = json_schema or convert_to_json_schema(schema)
             parser = structured_parser(schema)
         name = json_schema.get("title", "response") if isinstance(json_schema, dict) else "response"
@@ -483,7 +422,7 @@ class ChatSpecDecode(BaseChatModel):
         """Text the reply is forced to start with; None: what ``tool_choice`` demands.
 
         A hook for subclasses (scripted tests, constrained starts); the default defers to
-        ``messages.forced_prefix``.
+        ``agentspec.chat.prompt.forced_prefix``.
         """
         return None
 
@@ -498,7 +437,7 @@ class ChatSpecDecode(BaseChatModel):
         tools = kwargs.pop("tools", None) or []
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", None) is not False
-        answer = response_schema(kwargs.pop("response_format", None))
+        response_format = openai_response_format(kwargs.pop("response_format", None))
         constrained = kwargs.pop("constrained", self.constrained)
         unknown = set(kwargs) - _CALL_OVERRIDES
         if unknown:
@@ -506,36 +445,29 @@ class ChatSpecDecode(BaseChatModel):
         overrides = dict(kwargs)
         if stop is not None:
             overrides["stop"] = stop
-        if tool_choice == "none":  # the tools stay in the prompt (same prefix), but no call may start
-            overrides["stop"] = [*(overrides.get("stop", self.stop) or []), OPEN]
         config = self._generation_config(overrides)
         pair = self.load()
-        names = {t["function"]["name"] for t in tools} if tools and tool_choice != "none" else None
-        # a named tool (or "any" with one tool: the prompt already names it) is one call
-        named = tool_choice in names or (tool_choice == "any" and len(names) == 1) if names else False
-        single = names is not None and (not parallel or named)
-        prefill = self._prefill(messages, tools, tool_choice)
-        if constrained and prefill is None:
-            prefill = ""  # the grammar itself forces what tool_choice demands
-        prompt = render(pair.tokenizer, messages, tools, tool_choice, prefill)
-        options = {
-            f.name: getattr(config, f.name)
-            for f in dataclasses.fields(GenerationConfig)
-            if f.name != "eos_token_ids"
-        }
-        options["max_new_tokens"] = max(1, min(config.max_new_tokens, pair.max_context - len(prompt.ids)))
+        request = chat.prepare(
+            pair.tokenizer,
+            to_openai_messages(messages),
+            tools,
+            tool_choice,
+            response_format,
+            parallel_tool_calls=parallel,
+            constrained=constrained,
+            prefill=self._prefill(messages, tools, tool_choice),
+        )
+        options = dataclasses.asdict(config)
+        del options["eos_token_ids"]
+        options["stop"] += request.stop
+        room = pair.max_context - len(request.prompt.ids)
+        options["max_new_tokens"] = max(1, min(config.max_new_tokens, room))
         prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
-        if prefix_cache is not True and _core_accepts("prefix_cache"):
+        if prefix_cache is not True:
             options["prefix_cache"] = prefix_cache
-        if constrained:
-            g = output_grammar(tools if names else [], tool_choice, answer, prompt.tool_format, single)
-            if g is not None:
-                constraint = Constraint.for_pair(pair, g)
-                if prompt.forced and not constraint.accept_text(prompt.forced):
-                    raise ValueError(f"the forced start of the reply does not fit {g.description}")
-                options["grammar"] = constraint
-        drafter = overrides.get("drafter", self.drafter)
-        return _Call(pair, prompt, options, drafter, names, single)
+        if request.grammar is not None:
+            options["grammar"] = request.constraint(pair)
+        return _Call(pair, request, options, overrides.get("drafter", self.drafter))
 
     def _stream(
         self,
@@ -562,36 +494,29 @@ class ChatSpecDecode(BaseChatModel):
             self._trace(None, run_manager, streamed, exc)
             raise
         start = time.perf_counter()
-        splitter = ToolCallSplitter(call.names) if call.names is not None else None
-        # a forced call (or its start) is part of the reply: parse it with what the model writes
-        pending = splitter.feed(call.prompt.forced) if splitter is not None else []
-        n_calls = 0
+        parser = chat.ReplyParser(call.request)
         errors: dict[str, str] = {}  # invalid call id -> why (chunk merging drops the error field)
         trace = self._trace(
             call, run_manager, streamed
         )  # a span and metrics (no-ops without an OpenTelemetry SDK)
-        steps = trace.watch(agentspec.stream(call.pair, call.prompt.ids, call.drafter, **call.options))
+        steps = trace.watch(
+            agentspec.stream(call.pair, call.request.prompt.ids, call.drafter, **call.options)
+        )
         try:
             for step in steps:
                 reason = step.finish_reason
-                if splitter is None:
-                    events = [("text", step.text)] if step.text else []
-                else:
-                    events, pending = pending + splitter.feed(step.text), []
-                    if reason is None and call.single and n_calls + _count_calls(events):
-                        reason = "stop"  # the one wanted call is complete: stop decoding here
-                        step.stats.finish_reason = reason
-                        step.stats.total_time_s = time.perf_counter() - start
-                    if reason is not None:
-                        events += splitter.finish()
+                events = parser.feed(step.text)
+                if reason is None and parser.complete:
+                    reason = "stop"  # the one wanted call is complete: stop decoding here
+                    step.stats.finish_reason = reason
+                    step.stats.total_time_s = time.perf_counter() - start
+                if reason is not None:
+                    events += parser.finish()
                 text = "".join(value for kind, value in events if kind == "text")
-                calls = []
-                for kind, value in events:
-                    if kind == "call" and not (call.single and n_calls):
-                        calls.append(_chunk_of_call(value, n_calls))
-                        n_calls += 1
-                        if value.get("error"):
-                            errors[value["id"]] = value["error"]
+                calls = [value for kind, value in events if kind != "text"]
+                errors.update((c["id"], c["error"]) for kind, c in events if kind == "invalid")
+                first = parser.calls - len(calls)  # the index of this chunk's first call in the reply
+                calls = [_chunk_of_call(c, first + i) for i, c in enumerate(calls)]
                 if not (text or calls or reason):
                     continue
                 chunk = self._chunk(text, calls, reason, step.stats, call.pair.name, errors)

@@ -1,0 +1,24 @@
+"""Chat requests without a framework: OpenAI-format messages, tools, ``tool_choice`` and
+``response_format`` in; prompt ids, the reply's grammar and its forced start out; the reply's text
+parsed back into content and OpenAI-format tool calls.
+
+prompt.py      messages -> prompt through the chat template (the Hermes fallback for tools)
+tool_calls.py  tool calls found in model output, whole or streamed
+request.py     prepare() and ReplyParser: what the LangChain chat model and the server call
+"""
+
+from agentspec.chat.prompt import Prompt, render, tool_call_text
+from agentspec.chat.request import PreparedRequest, ReplyParser, prepare
+from agentspec.chat.tool_calls import Reply, ToolCallSplitter, parse_reply
+
+__all__ = [
+    "PreparedRequest",
+    "Prompt",
+    "Reply",
+    "ReplyParser",
+    "ToolCallSplitter",
+    "parse_reply",
+    "prepare",
+    "render",
+    "tool_call_text",
+]
