@@ -25,4 +25,4 @@ test-all: setup lint
 # roofline, then the agent loop through LangChain chat models (where LangChain is a dependency)
 bench: setup
 	$(BIN)/agentspec bench
-	$(BIN)/python -m integrations.langchain.bench
+	$(BIN)/python -m langchain_agentspec.bench

@@ -1,7 +1,8 @@
 """agentspec: lossless speculative decoding and prefix reuse for LLM agents.
 
-The core (this package) needs torch, transformers, xgrammar and tenacity only; ``ChatSpecDecode``
-is the LangChain chat model, importable from here when langchain-core is installed.
+The engine (this package, distribution ``agentspec-decode``) imports no LangChain. ``ChatSpecDecode``,
+the LangChain chat model, is the distribution ``langchain-agentspec``:
+``from langchain_agentspec import ChatSpecDecode``.
 """
 
 from agentspec.config import GenerationConfig
@@ -31,17 +32,7 @@ __all__ = [
     "generate",
     "load_pair",
     "stream",
-    "ChatSpecDecode",
 ]
-
-
-def __getattr__(name: str):
-    # the LangChain chat model lives in integrations/ and needs langchain-core: import it on use
-    if name == "ChatSpecDecode":
-        from integrations.langchain import ChatSpecDecode
-
-        return ChatSpecDecode
-    raise AttributeError(f"module 'agentspec' has no attribute {name!r}")
 
 
 __version__ = "0.1.0"

@@ -31,7 +31,7 @@ import torch
 
 import agentspec
 from benchmarks.grammar_tasks import PROMPTS, STRUCTURED, TOOLS
-from integrations.langchain import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode
 
 CONFIGS = {
     "plain": {"speculative": False, "jump_forward": False},

@@ -43,8 +43,8 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 import agentspec  # noqa: E402
 from benchmarks.agent_traces import TRACES, calls  # noqa: E402
 from benchmarks.bench_core import environment  # noqa: E402
-from integrations.langchain import ChatSpecDecode  # noqa: E402
-from integrations.langchain.tool_parsing import parse_tool_calls  # noqa: E402
+from langchain_agentspec import ChatSpecDecode  # noqa: E402
+from langchain_agentspec.tool_parsing import parse_tool_calls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CUSTOMERS = ["Ada Byrne", "Bo Lindqvist", "Chen Wei", "Dario Russo", "Eve Okafor", "Farah Haddad",

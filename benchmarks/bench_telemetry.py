@@ -47,7 +47,7 @@ import agentspec
 from agentspec.telemetry import Telemetry, calibrate, cost_model, set_cost_model
 from agentspec.telemetry import attributes as A
 from examples import agent_demo
-from integrations.langchain import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERHEAD_PROMPT = "Repeat exactly: the quick brown fox jumps over the lazy dog. " * 3

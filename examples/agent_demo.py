@@ -45,7 +45,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import agentspec
-from agentspec import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode
 from agentspec.telemetry import attributes as A
 from agentspec.telemetry import calibrate
 

@@ -29,7 +29,7 @@ import agent_demo
 import torch
 
 import agentspec
-from agentspec import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode
 from agentspec.telemetry import attributes as A
 from agentspec.telemetry import calibrate
 from agentspec.telemetry.phoenix import local_phoenix, spans_dataframe

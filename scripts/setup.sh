@@ -23,5 +23,6 @@ else
   "${PIP[@]}" install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 
-"${PIP[@]}" install -q -e ".[dev]"
+# the engine (agentspec-decode) and the LangChain integration (langchain-agentspec), both editable
+"${PIP[@]}" install -q -e ".[dev]" -e "./integrations/langchain[local,test,bench]"
 "$VENV/bin/agentspec" fetch

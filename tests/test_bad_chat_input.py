@@ -19,8 +19,8 @@ from pydantic import ValidationError
 
 import agentspec
 from agentspec.grammar import GrammarError
-from integrations.langchain.chat_model import ChatSpecDecode
-from integrations.langchain.messages import render
+from langchain_agentspec.chat_model import ChatSpecDecode
+from langchain_agentspec.messages import render
 
 pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_thread")]
 

@@ -1,4 +1,4 @@
-"""``agentspec bench`` and the LangChain agent loop beside it (``integrations/langchain/bench.py``):
+"""``agentspec bench`` and the LangChain agent loop beside it (``integrations/langchain/langchain_agentspec/bench.py``):
 their workloads, their arithmetic, and (slow) a whole short run of both on the real pair."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 
 from agentspec.bench import report, roofline, workloads
 from agentspec.bench.run import Settings, run
-from integrations.langchain import bench as loop_bench
+from langchain_agentspec import bench as loop_bench
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 
 import agentspec
-from integrations.langchain import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode
 
 pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_thread")]
 

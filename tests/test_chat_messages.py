@@ -14,8 +14,8 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from agentspec.chat.prompt import forced_prefix, template_features
-from integrations.langchain.messages import render
-from integrations.langchain.tool_parsing import parse_tool_calls
+from langchain_agentspec.messages import render
+from langchain_agentspec.tool_parsing import parse_tool_calls
 
 pytestmark = pytest.mark.model
 

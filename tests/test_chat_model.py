@@ -14,8 +14,8 @@ from langchain_core.tools import tool
 
 import agentspec
 from agentspec.chat import tool_call_text
-from integrations.langchain import ChatSpecDecode
-from integrations.langchain.messages import render
+from langchain_agentspec import ChatSpecDecode
+from langchain_agentspec.messages import render
 
 # one torch thread (conftest's one_thread): batch-1 decoding of a 135M model gains little from a
 # second thread, and on a busy 2-core machine two threads spin against each other (10x slower)

@@ -6,10 +6,10 @@ import pytest
 from langchain_core.tools import tool
 from pydantic import ValidationError
 
-import integrations.langchain as lc
+import langchain_agentspec as lc
 from agentspec.chat.request import normalise_tool_choice
 from agentspec.models import ModelPair
-from integrations.langchain import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode
 
 
 @tool

@@ -19,7 +19,7 @@ import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
 
 import agentspec
-from integrations.langchain import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode
 
 pytestmark = pytest.mark.model  # torch's default threads: one call runs at a time anyway
 

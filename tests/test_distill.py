@@ -256,12 +256,12 @@ def test_prompts_are_deterministic_varied_and_prefix_stable(byte_tokenizer):
 
 @pytest.mark.model
 def test_prompts_render_as_the_chat_model_renders_them():
-    """On SmolLM2's tokenizer, every kind renders to the ids ``integrations.langchain`` gives."""
+    """On SmolLM2's tokenizer, every kind renders to the ids ``langchain_agentspec`` gives."""
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
     from transformers import AutoTokenizer
 
     from agentspec.models import ensure_default_model
-    from integrations.langchain.messages import render as lc_render
+    from langchain_agentspec.messages import render as lc_render
 
     tok = AutoTokenizer.from_pretrained(str(ensure_default_model()))
 

@@ -13,7 +13,7 @@ import pytest
 from langchain_core.tools import tool
 
 import agentspec
-from integrations.langchain import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode
 
 pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_thread")]
 

@@ -40,8 +40,8 @@ from agentspec.telemetry import (
     traced_stream,
 )
 from agentspec.telemetry import attributes as A
-from integrations.langchain import ChatSpecDecode
-from integrations.langchain.messages import tool_call_text
+from langchain_agentspec import ChatSpecDecode
+from langchain_agentspec.messages import tool_call_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

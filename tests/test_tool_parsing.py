@@ -10,7 +10,7 @@ import pytest
 from langchain_core.messages import AIMessageChunk
 from langchain_core.messages.tool import tool_call_chunk
 
-from integrations.langchain.tool_parsing import ParsedOutput, ToolCallSplitter, collect, parse_tool_calls
+from langchain_agentspec.tool_parsing import ParsedOutput, ToolCallSplitter, collect, parse_tool_calls
 
 NAMES = {"get_weather", "add"}
 JOKE = '{"setup": "Why?", "punchline": "Because."}'

@@ -1,6 +1,6 @@
 """From raw measurements to figures: summaries, goals, a Markdown table and PNG plots.
 
-The agent loop's summary, goal and plot live with its rows (``integrations/langchain/bench.py``),
+The agent loop's summary, goal and plot live with its rows (``integrations/langchain/langchain_agentspec/bench.py``),
 which reuse ``goal_rows``, ``fmt`` and ``finish_plot``.
 """
 

@@ -7,7 +7,7 @@ prompt (agentspec with ``prefix_cache=False``), so their tokens must agree.
 
 llama.cpp (``llama-cpp-python``, an optional extra) runs the same GGUF file as an outside
 reference. The agent loop's systems are LangChain chat models: they live with the LangChain
-integration (``integrations/langchain/bench.py``).
+integration (``integrations/langchain/langchain_agentspec/bench.py``).
 """
 
 from __future__ import annotations

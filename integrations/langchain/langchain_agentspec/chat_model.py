@@ -48,8 +48,8 @@ from agentspec.drafters import Drafter
 from agentspec.models import DEFAULT_NAME, ModelPair
 from agentspec.stats import DecodeStats
 from agentspec.telemetry import Telemetry
-from integrations.langchain.messages import to_openai_messages
-from integrations.langchain.structured import openai_response_format, structured_parser
+from langchain_agentspec.messages import to_openai_messages
+from langchain_agentspec.structured import openai_response_format, structured_parser
 
 # Arguments LangChain's standard tests and callers pass to any chat model; meaningless for a local
 # model, so they are accepted and dropped. Any other unknown argument is an error (a typo would
@@ -124,9 +124,9 @@ class ChatSpecDecode(BaseChatModel):
     several instances.
 
     ```python
-    from agentspec import ChatSpecDecode
+    from langchain_agentspec import ChatSpecDecode
 
-    llm = ChatSpecDecode()  # the embedded SmolLM2-135M-Instruct, prompt-lookup drafts
+    llm = ChatSpecDecode()  # the embedded SmolLM2-135M-Instruct and its EAGLE draft
     llm.invoke("What is the capital of France?")
     llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?").tool_calls
     ```

@@ -1,6 +1,6 @@
 """The agent loop through LangChain chat models: agentspec full and baseline against ChatHuggingFace.
 
-    python -m integrations.langchain.bench [--out benchmarks/results/bench_agent_loop] \
+    python -m langchain_agentspec.bench [--out benchmarks/results/bench_agent_loop] \
         [--full | --loop-max-new-tokens 16] [--device cpu]
 
 The work is the core's ``agentspec.bench.workloads.agent_loop``: 8 tool-calling calls over a growing
@@ -33,7 +33,7 @@ import agentspec
 from agentspec.bench import report, workloads
 from agentspec.bench.run import environment as core_environment
 from agentspec.bench.run import warm_up
-from integrations.langchain import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode
 
 DEFAULT_OUT = Path("benchmarks/results/bench_agent_loop")
 LOOP_MAX_NEW_TOKENS = {"quick": 16, "full": 48}  # per call
