@@ -45,9 +45,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import agentspec
-from langchain_agentspec import ChatSpecDecode
 from agentspec.telemetry import attributes as A
 from agentspec.telemetry import calibrate
+from langchain_agentspec import ChatSpecDecode
 
 SYSTEM = """You are the release assistant of the Harbor project, a job scheduler written in Python.
 You answer questions from maintainers about releases and open issues. Rules:

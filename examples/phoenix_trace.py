@@ -29,10 +29,10 @@ import agent_demo
 import torch
 
 import agentspec
-from langchain_agentspec import ChatSpecDecode
 from agentspec.telemetry import attributes as A
 from agentspec.telemetry import calibrate
 from agentspec.telemetry.phoenix import local_phoenix, spans_dataframe
+from langchain_agentspec import ChatSpecDecode
 
 
 def wait_for_spans(url: str, count: int, timeout_s: float = 60.0):

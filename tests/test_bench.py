@@ -1,5 +1,5 @@
-"""``agentspec bench`` and the LangChain agent loop beside it (``integrations/langchain/langchain_agentspec/bench.py``):
-their workloads, their arithmetic, and (slow) a whole short run of both on the real pair."""
+"""``agentspec bench`` and the LangChain agent loop beside it (``langchain_agentspec.bench``): their
+workloads, their arithmetic, and (slow) a whole short run of both on the real pair."""
 
 from __future__ import annotations
 

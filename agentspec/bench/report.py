@@ -1,7 +1,7 @@
 """From raw measurements to figures: summaries, goals, a Markdown table and PNG plots.
 
-The agent loop's summary, goal and plot live with its rows (``integrations/langchain/langchain_agentspec/bench.py``),
-which reuse ``goal_rows``, ``fmt`` and ``finish_plot``.
+The agent loop's summary, goal and plot live with its rows (``langchain_agentspec/bench.py``), which
+reuse ``goal_rows``, ``fmt`` and ``finish_plot``.
 """
 
 from __future__ import annotations
