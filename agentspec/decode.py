@@ -26,6 +26,7 @@ import torch
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters import Draft, Drafter
+from agentspec.drafters.base import Adopted, DrafterLike
 from agentspec.drafters.health import DraftHealth
 from agentspec.grammar import Constraint, Grammar, apply_mask
 from agentspec.kv import ModelState
@@ -89,6 +90,8 @@ def resolve_drafter(
         return build_drafter(pair, drafter, pair.draft_memory.get(namespace))
     if isinstance(drafter, Drafter):
         return drafter
+    if isinstance(drafter, DrafterLike):  # written to the earlier Protocol: name, propose, feedback, reset
+        return Adopted(drafter)
     raise ValueError(f"drafter: expected one of {DRAFTER_NAMES} or a Drafter, got {drafter!r}")
 
 

@@ -353,8 +353,34 @@ def test_a_drafter_with_only_name_and_propose(pair, cases):
         assert r.stats.draft_tokens <= DEFAULT_DRAFT_CAP * r.stats.verify_steps, r.stats
 
 
+class EarlierStyleDrafter:
+    """A drafter written to the earlier ``Drafter`` Protocol: no base class, all four members."""
+
+    name = "earlier"
+
+    def __init__(self):
+        self.feedbacks = 0
+
+    def propose(self, seq, k, config, generator):
+        return Draft(seq[-k:])
+
+    def feedback(self, seq, n_accepted, n_drafted):
+        self.feedbacks += 1
+
+    def reset(self):
+        self.feedbacks = 0
+
+
+def test_a_drafter_to_the_earlier_protocol_still_works(pair, cases):
+    for prompt, ref in cases[:3]:
+        own = EarlierStyleDrafter()
+        r = agentspec.generate(pair, prompt, own, max_new_tokens=N_NEW)
+        assert r.token_ids == ref and r.stats.drafter == "earlier" and r.stats.draft_failures == 0
+        assert own.feedbacks == r.stats.verify_steps, (own.feedbacks, r.stats)
+
+
 def test_an_object_that_is_not_a_drafter_is_refused(pair):
-    class Lookalike:  # propose and a name, but not a Drafter
+    class Lookalike:  # propose and a name, but no feedback or reset: neither a Drafter nor like one
         name = "lookalike"
 
         def propose(self, seq, k, config, generator):
