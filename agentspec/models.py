@@ -210,8 +210,8 @@ class ModelPair:
     weight_first: WeightFirst = field(init=False, repr=False, compare=False)
     # the tokenizer's grammar compiler, built on first use (``grammar_compiler``)
     _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False, compare=False)
-    _grammar_lock: threading.Lock = field(
-        default_factory=threading.Lock, init=False, repr=False, compare=False
+    _grammar_lock: threading.RLock = field(
+        default_factory=threading.RLock, init=False, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:
