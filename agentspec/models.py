@@ -205,6 +205,8 @@ class ModelPair:
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     # drafters that keep failing sit out a cool-down of calls (agentspec.drafters.health)
     draft_health: DraftHealth = field(default_factory=DraftHealth, repr=False, compare=False)
+
+    # built with the pair, not passed in:
     # the large linears of target and draft that compute verify passes weight-first, found once
     # here (agentspec.kv.WeightFirst)
     weight_first: WeightFirst = field(init=False, repr=False, compare=False)
