@@ -28,7 +28,7 @@ from agentspec.config import GenerationConfig
 from agentspec.drafters import Draft, Drafter
 from agentspec.drafters.base import Adopted, DrafterLike
 from agentspec.drafters.health import DraftHealth
-from agentspec.grammar import Constraint, Grammar, apply_mask
+from agentspec.grammar import Constraint, Grammar, apply_bitmask
 from agentspec.kv import ModelState
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
 from agentspec.models import ModelPair
@@ -312,7 +312,7 @@ def _verify(call: _Call, head: list[int], tokens: list[int], q: torch.Tensor | N
     logits = forward_retrying(target, head + tokens, len(tokens) + 1, call.free_memory, tap)
     logits, hidden = logits if tap else (logits, None)  # [k+1, V]; [pass tokens, H]
     if c is not None:
-        logits = apply_mask(logits, c.masks(len(tokens) + 1))
+        logits = apply_bitmask(logits, c.bitmasks(len(tokens) + 1))
     d = torch.tensor(tokens, dtype=torch.long, device=logits.device)
     if config.greedy:
         n, token = greedy_verify(d, logits)
@@ -454,19 +454,21 @@ def _ready(health: DraftHealth, d: Drafter | None, key: str | None) -> tuple[Dra
     return d, None
 
 
-def _restore(pair: ModelPair, cache, ids: list[int], d: Drafter | None) -> ModelState:
+def _restore(pair: ModelPair, cache, ids: list[int], d: Drafter | None, namespace: str | None) -> ModelState:
     """The target's state for ``ids`` from the prefix cache, and the drafter's, which it adopts."""
     draft = d.kv_state() if d is not None else None
     models = {"target": pair.target} if draft is None else {"target": pair.target, "draft": draft.model}
     states = {}
     with cache_oom_frees_cache(cache, "restoring from"):  # then prefill in full
-        states = cache.restore(pair, ids, models)
+        states = cache.restore(pair, ids, models, namespace)
     if "draft" in states:
         d.adopt_kv_state(states["draft"])
     return states.get("target") or ModelState(pair.target)
 
 
-def _save(pair: ModelPair, cache, target: ModelState, d: Drafter | None, ended: bool) -> None:
+def _save(
+    pair: ModelPair, cache, target: ModelState, d: Drafter | None, ended: bool, namespace: str | None
+) -> None:
     """Save the verified states to the prefix cache (the drafter's caught up first, unless it failed)."""
     if ended and d is not None and d.kv_state() is not None:
         try:  # the draft then covers the same verified tokens (also when closed early)
@@ -478,7 +480,7 @@ def _save(pair: ModelPair, cache, target: ModelState, d: Drafter | None, ended: 
     if draft is not None:
         saved["draft"] = draft
     with cache_oom_frees_cache(cache, "saving to"):  # it costs the cache, not the reply
-        cache.save(pair, saved)
+        cache.save(pair, saved, namespace)
 
 
 def stream(
@@ -499,9 +501,11 @@ def stream(
     pass a ``PrefixCache``. The pair's lock is held while the generator runs; closing the generator
     early releases it and still saves what was verified.
 
-    ``namespace`` picks the drafting memory of earlier outputs (``pair.draft_memory``) that a
-    drafter named by string drafts from and adds to: calls of other namespaces never see it (None:
-    the default memory, shared by every call that names none). Outputs are the same either way.
+    ``namespace`` keeps tenants apart: it picks the prefix cache's namespace (a call restores only
+    what calls of its own namespace saved) and the drafting memory of earlier outputs
+    (``pair.draft_memory``) that a drafter named by string drafts from and adds to, so one
+    namespace's prompts never speed up another's calls (None: the default, shared by every call that
+    names none). Outputs are the same either way.
     """
     config = _config(options)
     drafter = "auto" if drafter is None else drafter
@@ -511,7 +515,7 @@ def stream(
     with pair.lock:
         ids = check_prompt(pair, prompt_ids)
         d, resting = _ready(pair.draft_health, d, key)
-        target = _restore(pair, cache, ids, d) if cache is not None else ModelState(pair.target)
+        target = _restore(pair, cache, ids, d, namespace) if cache is not None else ModelState(pair.target)
         ended = False  # finished, or closed by the caller: not failed
         stats = None
         try:
@@ -529,7 +533,7 @@ def stream(
             if d is not None and key is not None and stats is not None:
                 pair.draft_health.record(key, failed=stats.draft_failures > 0)
             if cache is not None:
-                _save(pair, cache, target, d, ended)
+                _save(pair, cache, target, d, ended, namespace)
 
 
 def _pick_cache(pair: ModelPair, prefix_cache: Any):

@@ -12,14 +12,16 @@ Three layers:
 - ``Grammar``: a tokenizer-free grammar (JSON schema, tool calls, EBNF, regex). Building one
   validates it, so a schema the engine cannot handle fails where it is given (``bind_tools``,
   ``with_structured_output``), not in the middle of a decode.
-- ``compile_grammar(tokenizer, vocab_size, eos, grammar)``: compiled against a tokenizer, once; the
-  compiled grammars of a tokenizer are cached by the grammar's text.
+- ``GrammarCompiler.compile(grammar)``: compiled against a tokenizer, once; each pair owns the
+  compiler of its tokenizer (``ModelPair.grammar_compiler``), which caches compiled grammars by text.
 - ``Constraint``: one call's position in a compiled grammar. The committed state is the verified
   output; on top of it a *path* of proposed tokens (jump-forward text, then the drafter's tokens)
   is pushed while the masks for the verify pass are computed, and ``commit(n)`` keeps the first
   ``n`` of them and rolls the rest back.
 
-Masks are bool tensors [rows, V] applied with ``masked_fill``: pure torch, the same on any device.
+A verify pass's masks stay packed as xgrammar fills them (int32 [rows, ceil(V/32)]) and go onto the
+logits through xgrammar's own kernel (``apply_bitmask``); a drafter masking one row may use the bool
+form (``allowed()``, ``apply_mask``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import functools
 import json
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -184,32 +185,49 @@ def _tool_calls(key: str) -> Grammar:
 # -- compiling against a tokenizer -------------------------------------------------------------------
 
 
-class _Compiler:
-    """A tokenizer's xgrammar compiler and its compiled grammars (LRU by grammar text)."""
+class GrammarCompiler:
+    """One tokenizer's xgrammar compiler, built on first use, and its compiled grammars (LRU by text).
+
+    Owned by the ``ModelPair`` whose tokenizer it reads (``ModelPair.grammar_compiler``).
+    """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos: Iterable[int], capacity: int = 64):
-        stop = sorted(eos)
-        try:
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
-        except Exception:
-            # Not a transformers tokenizer (tests use a fake one): read the vocabulary by decoding
-            # each id on its own. Fine for tokenizers whose pieces are whole characters.
-            vocab = [tokenizer.decode([i]) for i in range(vocab_size)]
-            info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos = sorted(eos)
         self.capacity = capacity
         self.compiled: OrderedDict[str, Any] = OrderedDict()
         self.lock = threading.Lock()
+        self._compiler: Any = None  # xgrammar.GrammarCompiler: reading a vocabulary takes a while
 
-    def get(self, grammar: Grammar):
+    def _xgrammar(self):
+        with self.lock:
+            if self._compiler is None:
+                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=1)
+            return self._compiler
+
+    def _tokenizer_info(self):
+        try:
+            return xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos
+            )
+        except Exception:
+            # Not a transformers tokenizer (tests use a fake one): read the vocabulary by decoding
+            # each id on its own. Fine for tokenizers whose pieces are whole characters.
+            vocab = [self.tokenizer.decode([i]) for i in range(self.vocab_size)]
+            return xgr.TokenizerInfo(
+                vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.eos
+            )
+
+    def compile(self, grammar: Grammar):
+        """``grammar`` compiled for this tokenizer (cached: the same grammar compiles once)."""
         with self.lock:
             hit = self.compiled.get(grammar.key)
             if hit is not None:
                 self.compiled.move_to_end(grammar.key)
                 return hit
         try:
-            compiled = self.compiler.compile_grammar(grammar.grammar)
+            compiled = self._xgrammar().compile_grammar(grammar.grammar)
         except Exception as exc:
             raise GrammarError(f"cannot compile {grammar.description} for this tokenizer: {exc}") from exc
         with self.lock:
@@ -217,25 +235,6 @@ class _Compiler:
             while len(self.compiled) > self.capacity:
                 self.compiled.popitem(last=False)
         return compiled
-
-
-_COMPILERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_COMPILERS_LOCK = threading.Lock()
-
-
-def compiler_for(tokenizer: Any, vocab_size: int, eos: Iterable[int]) -> _Compiler:
-    key = (vocab_size, tuple(sorted(eos)))
-    with _COMPILERS_LOCK:
-        per_tokenizer = _COMPILERS.setdefault(tokenizer, {})
-        compiler = per_tokenizer.get(key)
-        if compiler is None:
-            compiler = per_tokenizer[key] = _Compiler(tokenizer, vocab_size, eos)
-        return compiler
-
-
-def compile_grammar(tokenizer: Any, vocab_size: int, eos: Iterable[int], grammar: Grammar):
-    """``grammar`` compiled for this tokenizer (cached: the same grammar compiles once)."""
-    return compiler_for(tokenizer, vocab_size, eos).get(grammar)
 
 
 # -- masks -------------------------------------------------------------------------------------------
@@ -254,6 +253,19 @@ def apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits [rows, V] with the tokens a packed bitmask [rows, ceil(V/32)] forbids at -inf.
+
+    ``apply_mask`` with the masks still packed: xgrammar's own kernel, on the logits' device. A new
+    tensor; the input is left alone.
+    """
+    words = -(-logits.shape[-1] // 32)
+    assert bitmask.shape[-1] == words, f"{bitmask.shape=} {logits.shape=}"
+    out = logits.clone()
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=out.shape[-1])
+    return out
+
+
 class Constraint:
     """One call's state in a compiled grammar, with a speculative path on top.
 
@@ -268,48 +280,61 @@ class Constraint:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.path: list[int] = []
-        self._rows: list[torch.Tensor] = []  # _rows[i]: mask before path token i (computed lazily)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        # _rows[i]: the packed mask [ceil(V/32)] before path token i (computed lazily)
+        self._rows: list[torch.Tensor] = []
+        # the bits of real tokens: xgrammar's words hold 32 ids, the last one may run past V
+        self._real = torch.full((-(-vocab_size // 32),), -1, dtype=torch.int32)
+        if vocab_size % 32:
+            self._real[-1] = (1 << vocab_size % 32) - 1
 
     @classmethod
     def for_pair(cls, pair: Any, grammar: Grammar) -> Constraint:
-        vocab = pair.target.config.vocab_size
-        return cls(compile_grammar(pair.tokenizer, vocab, pair.eos_token_ids, grammar), vocab)
+        compiler = pair.grammar_compiler
+        return cls(compiler.compile(grammar), compiler.vocab_size)
 
     @property
     def terminated(self) -> bool:
         """The grammar accepted a stop token: nothing may follow."""
         return self.matcher.is_terminated()
 
-    def allowed(self) -> torch.Tensor:
-        """bool [V]: the tokens the grammar allows after the committed tokens and the path."""
+    def bitmask(self) -> torch.Tensor:
+        """int32 [ceil(V/32)]: ``allowed()`` packed as xgrammar fills it (bit t % 32 of word t // 32)."""
         depth = len(self.path)
         if len(self._rows) > depth:
             return self._rows[depth]
+        row = xgr.allocate_token_bitmask(1, self.vocab_size)
         if self.matcher.is_terminated():  # after a stop token nothing is allowed
-            row = torch.zeros(self.vocab_size, dtype=torch.bool)
+            row.zero_()
         else:
-            self.matcher.fill_next_token_bitmask(self._bitmask)
-            row = unpack_bitmask(self._bitmask[0], self.vocab_size)
-        self._rows.append(row)
-        return row
+            self.matcher.fill_next_token_bitmask(row)
+        self._rows.append(row[0])
+        return row[0]
+
+    def allowed(self) -> torch.Tensor:
+        """bool [V]: the tokens the grammar allows after the committed tokens and the path."""
+        return unpack_bitmask(self.bitmask(), self.vocab_size)
 
     def push(self, token: int) -> bool:
-        if self.matcher.is_terminated() or not bool(self.allowed()[token]):
+        if self.matcher.is_terminated() or not (int(self.bitmask()[token >> 5]) >> (token & 31)) & 1:
             return False
         if not self.matcher.accept_token(token):
             return False
         self.path.append(token)
         return True
 
-    def masks(self, rows: int) -> torch.Tensor:
-        """bool [rows, V]: the mask at each of the path's first ``rows`` positions."""
-        out = torch.ones(rows, self.vocab_size, dtype=torch.bool)
+    def bitmasks(self, rows: int) -> torch.Tensor:
+        """int32 [rows, ceil(V/32)]: the packed mask at each of the path's first ``rows`` positions,
+        for ``apply_bitmask``."""
+        out = torch.full((rows, len(self._real)), -1, dtype=torch.int32)
         for i in range(min(rows, len(self.path) + 1)):  # push() filled the rows of the path
-            out[i] = self._rows[i] if i < len(self.path) else self.allowed()
+            out[i] = self._rows[i] if i < len(self.path) else self.bitmask()
         # a row with nothing allowed follows a stop token: never used, but it must not turn into NaN
-        out[~out.any(dim=-1)] = True
+        out[((out & self._real) == 0).all(dim=-1)] = -1
         return out
+
+    def masks(self, rows: int) -> torch.Tensor:
+        """bool [rows, V]: ``bitmasks(rows)`` unpacked."""
+        return unpack_bitmask(self.bitmasks(rows), self.vocab_size)
 
     def rewind(self, depth: int) -> None:
         """Drop the path after its first ``depth`` tokens."""

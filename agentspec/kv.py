@@ -7,18 +7,16 @@ reused across steps (or calls) only ever re-reads the tokens that changed.
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 from functools import partial
 
 import torch
 from transformers import DynamicCache
 
 # A CPU pass over 2..FEW_ROWS new tokens computes its large float32 linears weight-first
-# (``few_rows_linears``): those whose weight holds at least MIN_WEIGHT_BYTES (more than CPU caches hold).
+# (``WeightFirst``): those whose weight holds at least MIN_WEIGHT_BYTES (more than CPU caches hold).
 FEW_ROWS = 64
 MIN_WEIGHT_BYTES = 16 << 20
 WEIGHT_FIRST_DTYPES = {torch.float32}
@@ -57,70 +55,63 @@ def _weight_first(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-_LINEAR_LOCK = threading.Lock()
-_LINEAR_USERS: Counter[int] = Counter()
-_LARGE_LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Set by ModelState.forward around a pass of 2..FEW_ROWS new tokens, in its own thread (and task) only
+_FEW_ROWS_PASS: ContextVar[bool] = ContextVar("agentspec_few_rows_pass", default=False)
 
 
-def _large_linears(model) -> list[torch.nn.Linear]:
-    """The model's ``nn.Linear`` modules whose weight holds at least MIN_WEIGHT_BYTES.
-
-    Found once per model (and dtype and threshold), not on every pass: walking the ~400 modules of
-    even a 135M model costs ~3 ms, a seventh of what the swap saves on a verify pass. A linear put
-    into the model later is not seen (it keeps ``F.linear``: only speed is lost).
-    """
-    key = (MIN_WEIGHT_BYTES, getattr(model, "dtype", None))
-    found = _LARGE_LINEARS.get(model)
-    if found is None or found[0] != key:
-        found = (
-            key,
-            [
-                m
-                for m in model.modules()
-                if type(m) is torch.nn.Linear
-                and m.weight.numel() * m.weight.element_size() >= MIN_WEIGHT_BYTES
-            ],
-        )
-        _LARGE_LINEARS[model] = found
-    return found[1]
+def _pass_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward``, except inside an agentspec pass of a few rows on a CPU float32 weight."""
+    w = linear.weight
+    if _FEW_ROWS_PASS.get() and w.device.type == "cpu" and w.dtype in WEIGHT_FIRST_DTYPES:
+        return _weight_first(linear, x)
+    return torch.nn.functional.linear(x, w, linear.bias)
 
 
-@contextmanager
-def few_rows_linears(model, rows: int) -> Iterator[None]:
-    """Within the block, a CPU model's large float32 linears compute 2-64 rows as ``W @ x.T``.
+class WeightFirst:
+    """The large float32 CPU linears of a pair's models, which compute few-row passes weight-first.
 
     ``F.linear`` computes ``x @ W.T``. On a CPU, in float32, for a few rows against a weight larger
     than the caches (an LM head; every projection of a 7B model), that kernel runs 2-4x slower than
     for one row, while ``W @ x.T`` costs little more than one row (``benchmarks/bench_verify_cost.py``;
     in bfloat16 it does not pay, so those are left alone). A verify pass has 2-17 rows, so this is
     much of its extra cost. Same product, another summation order; one-row passes (plain decoding)
-    and prefills keep ``F.linear``. PyTorch has no switch for it, and a ``TorchFunctionMode`` doing
-    this costs ~20 ms a pass in Python dispatch, hence swapping the ``forward`` of those modules
-    while any pass on the model is inside the block (counted, so threads can share a model). A
-    module with an instance ``forward`` of someone else's (accelerate's hooks) is left alone.
+    and prefills keep ``F.linear``.
+
+    Decided once, when the pair is built: each ``nn.Linear`` whose weight holds at least
+    MIN_WEIGHT_BYTES gets an instance ``forward`` that is ``F.linear`` (exactly ``nn.Linear``'s own)
+    unless its thread is inside ``ModelState.forward`` over 2..FEW_ROWS new tokens. So any other
+    caller (transformers' ``generate()``, another thread, a user's own code) gets the numbers it
+    got before, even while a verify pass runs on the same model; what is left in a model passed in
+    is that instance attribute. PyTorch has no switch for the product order, and a
+    ``TorchFunctionMode`` doing this costs ~20 ms a pass in Python dispatch. A module with an
+    instance ``forward`` already (accelerate's hooks, or this one from an earlier pair of the same
+    model) keeps it; a linear put into a model later keeps ``F.linear`` (only speed is lost).
     """
-    if not 2 <= rows <= FEW_ROWS:
-        yield
-        return
-    linears = [
-        m
-        for m in _large_linears(model)
-        if m.weight.device.type == "cpu" and m.weight.dtype in WEIGHT_FIRST_DTYPES
-    ]
-    with _LINEAR_LOCK:
-        ours = [m for m in linears if _LINEAR_USERS[id(m)] or "forward" not in vars(m)]
-        for m in ours:
-            if not _LINEAR_USERS[id(m)]:
-                m.forward = partial(_weight_first, m)
-            _LINEAR_USERS[id(m)] += 1
+
+    def __init__(self, *models: torch.nn.Module):
+        self.linears: list[torch.nn.Linear] = []  # those given the forward here
+        for model in models:
+            for m in model.modules():
+                if type(m) is torch.nn.Linear and "forward" not in vars(m) and _large(m):
+                    m.forward = partial(_pass_forward, m)
+                    self.linears.append(m)
+
+
+def _large(linear: torch.nn.Linear) -> bool:
+    w = linear.weight
+    big = w.numel() * w.element_size() >= MIN_WEIGHT_BYTES
+    return big and w.device.type == "cpu" and w.dtype in WEIGHT_FIRST_DTYPES
+
+
+@contextmanager
+def few_rows_pass(rows: int) -> Iterator[None]:
+    """Within the block, this thread's passes over ``rows`` new tokens run ``WeightFirst`` linears
+    weight-first (when 2 <= rows <= FEW_ROWS)."""
+    token = _FEW_ROWS_PASS.set(2 <= rows <= FEW_ROWS)
     try:
         yield
     finally:
-        with _LINEAR_LOCK:
-            for m in ours:
-                _LINEAR_USERS[id(m)] -= 1
-                if not _LINEAR_USERS[id(m)]:
-                    del _LINEAR_USERS[id(m)], m.forward
+        _FEW_ROWS_PASS.reset(token)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -169,7 +160,7 @@ class ModelState:
         x = torch.tensor([new_ids], dtype=torch.long, device=device)
         try:
             with ExitStack() as stack:
-                stack.enter_context(few_rows_linears(self.model, len(new_ids)))
+                stack.enter_context(few_rows_pass(len(new_ids)))
                 captured = stack.enter_context(final_hidden(self.model)) if hidden else None
                 out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
         except BaseException:

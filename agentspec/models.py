@@ -30,6 +30,8 @@ import torch
 from agentspec.attention import use_grouped_sdpa
 from agentspec.drafters.health import DraftHealth
 from agentspec.drafters.hybrid import DraftMemories
+from agentspec.grammar import GrammarCompiler
+from agentspec.kv import WeightFirst
 from agentspec.telemetry.latency import LatencyModel
 
 log = logging.getLogger(__name__)
@@ -188,7 +190,9 @@ class ModelPair:
     """A loaded target, an optional draft model of the same tokenizer, and that tokenizer.
 
     ``key`` names everything that changes the KV state (model sources, dtype, device); the prefix
-    cache namespaces its entries by it.
+    cache namespaces its entries by it. Building a pair gives its large float32 CPU linears the
+    weight-first forward of ``agentspec.kv.WeightFirst``, which outside agentspec's own passes is
+    ``F.linear``: a model passed in gives its other callers (``generate()``) the same numbers.
     """
 
     target: Any
@@ -207,6 +211,19 @@ class ModelPair:
     draft_memory: DraftMemories = field(default_factory=DraftMemories, repr=False, compare=False)
     # what the target's passes cost here, for telemetry's latency-saved estimate (agentspec.telemetry)
     latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
+
+    # built with the pair, not passed in:
+    # the large linears of target and draft that compute verify passes weight-first, found once
+    # here (agentspec.kv.WeightFirst)
+    weight_first: WeightFirst = field(init=False, repr=False, compare=False)
+    # the tokenizer's grammar compiler, built on first use (``grammar_compiler``)
+    _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False, compare=False)
+    _grammar_lock: threading.RLock = field(
+        default_factory=threading.RLock, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        self.weight_first = WeightFirst(*(m for m in (self.target, self.draft) if m is not None))
 
     @property
     def device(self) -> torch.device:
@@ -229,6 +246,15 @@ class ModelPair:
             elif value is not None:
                 ids.update(int(v) for v in value)
         return ids
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The xgrammar compiler of the pair's tokenizer, vocabulary and EOS ids (built once)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                vocab = self.target.config.vocab_size
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+            return self._grammar_compiler
 
     @property
     def max_context(self) -> int:

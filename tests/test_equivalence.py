@@ -8,6 +8,7 @@ change how many target passes it takes.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -112,13 +113,16 @@ def test_speculative_greedy_equals_generate(pair, cases, drafter, k):
 @pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
 def test_speculative_greedy_with_weight_first_linears_equals_generate(pair, cases, drafter, monkeypatch):
     # on a CPU, verify passes of 2-64 rows compute large float32 linears as W @ x.T (kv.py); the
-    # conftest models' weights are small, so every weight counts as large here
+    # conftest models' weights are small, so every weight counts as large for a pair of copies
+    # built here (the linears are chosen when a pair is built)
     from agentspec import kv
 
     calls = []
     real = kv._weight_first
     monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 0)
     monkeypatch.setattr(kv, "_weight_first", lambda m, x: calls.append(m) or real(m, x))
+    target, draft = copy.deepcopy(pair.target), copy.deepcopy(pair.draft)
+    pair = ModelPair(target=target, draft=draft, tokenizer=pair.tokenizer)
     histogram = run_all(pair, cases, drafter, 3)
     assert calls and histogram[0] > 0 and sum(histogram[1:]) > 0, f"{histogram=}"
 

@@ -54,7 +54,7 @@ def eos_pair(gpair, fake_tokenizer) -> ModelPair:
 def reference(pair: ModelPair, prompt: list[int], grammar: G.Grammar, n: int) -> list[int]:
     """Plain constrained greedy decoding, written with xgrammar only."""
     vocab = pair.target.config.vocab_size
-    matcher = xgr.GrammarMatcher(G.compile_grammar(pair.tokenizer, vocab, pair.eos_token_ids, grammar))
+    matcher = xgr.GrammarMatcher(pair.grammar_compiler.compile(grammar))
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     out: list[int] = []
     while len(out) < n and not matcher.is_terminated():
@@ -204,6 +204,37 @@ def test_constraint_path_commit_and_rollback(gpair):
     assert c.path == [] and c.push(4)
 
 
+@pytest.mark.parametrize("vocab", [64, 50])  # 50: the last 32-bit word runs past the vocabulary
+def test_packed_masks_apply_as_the_bool_masks_do(gpair, vocab):
+    c = G.Constraint(gpair.grammar_compiler.compile(G.ebnf(LIST)), vocab)
+    assert c.push(0) and c.push(5)  # "[", "12"
+    bitmasks, masks = c.bitmasks(4), c.masks(4)
+    assert bitmasks.shape == (4, -(-vocab // 32)) and bitmasks.dtype == torch.int32
+    assert torch.equal(G.unpack_bitmask(bitmasks, vocab), masks)
+    assert bool(masks[3].all())  # past the end of the path: unmasked
+    logits = torch.randn(4, vocab)
+    before = logits.clone()
+    assert torch.equal(G.apply_bitmask(logits, bitmasks), G.apply_mask(logits, masks))
+    assert torch.equal(logits, before)  # a new tensor: the input is left alone
+    allowed = c.allowed()
+    for t in range(vocab):  # push() reads the packed row: the same tokens as allowed()
+        assert c.push(t) == bool(allowed[t]), f"{t=}"
+        c.rewind(2)
+
+
+def test_a_row_after_a_stop_token_is_left_unmasked(eos_pair):
+    c = G.Constraint.for_pair(eos_pair, G.regex("ab"))
+    assert c.push(12) and c.push(EOS) and c.terminated  # "ab", then the stop token
+    assert not bool(c.allowed().any())
+    assert int(c.bitmasks(3)[2].eq(-1).all()) == 1 and bool(c.masks(3)[2].all())
+
+
+def test_each_pair_compiles_with_its_own_compiler(gpair, eos_pair):
+    assert gpair.grammar_compiler is gpair.grammar_compiler
+    assert gpair.grammar_compiler is not eos_pair.grammar_compiler  # another tokenizer and EOS
+    assert eos_pair.grammar_compiler.eos == [EOS]
+
+
 def test_bad_grammars_fail_when_built():
     with pytest.raises(G.GrammarError, match="EBNF"):
         G.ebnf("root ::= (")
@@ -223,9 +254,8 @@ def test_grammars_are_built_and_compiled_once(gpair):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     assert G.tool_calls([tool], "any") is G.tool_calls([dict(tool)], "any")
     g = G.ebnf(LIST)
-    vocab = gpair.target.config.vocab_size
-    first = G.compile_grammar(gpair.tokenizer, vocab, gpair.eos_token_ids, g)
-    assert G.compile_grammar(gpair.tokenizer, vocab, gpair.eos_token_ids, G.ebnf(LIST)) is first
+    first = gpair.grammar_compiler.compile(g)
+    assert gpair.grammar_compiler.compile(G.ebnf(LIST)) is first
 
 
 # --- sampling: the distribution is the target's restricted to the grammar ------------------------

@@ -254,3 +254,72 @@ def test_radix_tree_budget_and_eviction(inserts, budget):
         n, segs = tree.lookup("ns", ids, ["target"])
         if n:  # whatever survived eviction still spells the right ids
             assert segs["target"][0][0].flatten().tolist() == ids[:n]
+
+
+class RescanningTree(RadixCache):
+    """Eviction as it was before the heap: rescan every node for the least recently used leaf."""
+
+    def _evict(self) -> None:
+        while self.bytes_used > self.budget:
+            leaves = [nd for nd in self._nodes() if not nd.children and nd.lock_ref == 0]
+            if not leaves:
+                break
+            self._remove(min(leaves, key=lambda nd: nd.last_access))
+
+
+def spelled(tree: RadixCache) -> list[tuple[int, ...]]:
+    """Every node's full key from its root: what the tree holds, whatever its node objects."""
+    out = []
+    for nd in tree._nodes():
+        key, up = nd.key, nd.parent
+        while up is not None:
+            key, up = up.key + key, up.parent
+        out.append(key)
+    return sorted(out)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["insert", "lookup"]), seqs), min_size=1, max_size=30),
+    st.integers(0, 400),
+)
+def test_heap_eviction_evicts_what_a_rescan_evicts(ops, budget):
+    heap, rescan = RadixCache(budget_bytes=budget), RescanningTree(budget_bytes=budget)
+    for op, ids in ops:
+        for tree in (heap, rescan):
+            if op == "insert":
+                tree.insert("ns", ids, "target", fake_kv(ids))
+            else:
+                tree.lookup("ns", ids, ["target"])
+        assert spelled(heap) == spelled(rescan), f"{op=} {ids=}"
+        assert heap.evictions == rescan.evictions and heap.bytes_used == rescan.bytes_used
+        heap.check()
+
+
+def test_namespaces_never_read_each_others_entries(models):
+    pair = make_pair(models)
+    cache, target = pair.prefix_cache, models[0]
+    prompt = conversation(random.Random(13), 30)
+    for tenant in ("a", "b"):  # both save the same prompt
+        state = agentspec.kv.ModelState(target)
+        state.forward(prompt, keep=1)
+        assert not cache.restore(pair, prompt + [2], {"target": target}, namespace=tenant)["target"].ids
+        cache.save(pair, {"target": state}, namespace=tenant)
+        assert cache.restore(pair, prompt + [2], {"target": target}, namespace=tenant)["target"].ids == prompt
+    assert not cache.restore(pair, prompt + [2], {"target": target})["target"].ids  # the default one
+    one = cache.bytes_used // 2
+    assert one and cache.bytes_used == 2 * one  # one budget: both tenants' copies count
+    cache.tree.check()
+
+
+@pytest.mark.parametrize("drafter", ["none", "auto"])
+def test_a_call_reads_only_its_own_namespace(models, drafter):
+    pair = make_pair(models)
+    prompt = conversation(random.Random(17), 40)
+    first = agentspec.generate(pair, prompt, drafter, namespace="tenant-a", **OPTS)
+    other = agentspec.generate(pair, prompt, drafter, namespace="tenant-b", **OPTS)
+    again = agentspec.generate(pair, prompt, drafter, namespace="tenant-a", **OPTS)
+    shared = agentspec.generate(pair, prompt, drafter, **OPTS)  # the default namespace: a fourth
+    assert first.token_ids == other.token_ids == again.token_ids == shared.token_ids
+    assert first.stats.cached_tokens == other.stats.cached_tokens == shared.stats.cached_tokens == 0
+    assert again.stats.cached_tokens == len(prompt) - 1, again.stats

@@ -184,3 +184,16 @@ def test_default_dtype_on_cpu_is_float32(pair):
     else:  # a GPU machine: the default pair is bfloat16 there, so load a CPU one to check
         cpu_pair = agentspec.load_pair(device="cpu")
         assert cpu_pair.device.type == "cpu" and cpu_pair.dtype == torch.float32, f"{cpu_pair.dtype=}"
+
+
+def test_incremental_text_is_the_tokenizers_decode(pair):
+    # multi-byte characters split over byte-level tokens, spaces, and the chat template's specials
+    from agentspec.text import TextTracker
+
+    tok = pair.tokenizer
+    text = "café ☃ 😀 naïve — «quoted» 東京 <|im_end|> 12 , . done"
+    ids = tok(text * 3)["input_ids"] + [tok.eos_token_id]
+    tracker = TextTracker(tok, (), pair.eos_token_ids)
+    for n in range(1, len(ids) + 1, 3):
+        assert tracker.text(ids[:n]) == tracker.decode(ids[:n]), f"{n=}"
+        tracker.release(ids[:n], final=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import agentspec
@@ -109,6 +111,129 @@ def test_release_cuts_at_a_stop():
     hit = tracker.first_stop([1], [2, 3, 4])
     assert hit == (2, 6)
     assert tracker.release(ids[:3], final=True, cut=hit[1]) == "Hello "
+
+
+# --- incremental decoding: the same text as decoding everything, from a window of the last tokens --
+
+
+class ByteTokenizer:
+    """Byte-level BPE's decode (GPT-2, SmolLM2): pieces are bytes, joined, then read as UTF-8."""
+
+    pieces = [
+        b"<eos>",
+        b"a",
+        b" b",
+        b"\xc3",
+        b"\xa9",
+        b"\xe2\x98",
+        b"\x83",
+        b"\xf0\x9f",
+        b"\x98\x80",
+        b" .",
+        b"!",
+        b" ",
+        b".",
+    ]
+
+    def __init__(self):
+        self.calls: list[int] = []  # how many ids each decode read
+
+    def decode(self, ids, **_):
+        self.calls.append(len(ids))
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class SpaceTokenizer(ByteTokenizer):
+    """SentencePiece's decode: the leading space of the first piece is dropped."""
+
+    def decode(self, ids, **_):
+        text = super().decode(ids)
+        return text[1:] if text.startswith(" ") else text
+
+
+class CleanupTokenizer(ByteTokenizer):
+    """transformers' ``clean_up_tokenization_spaces``: " ." -> "." wherever it appears."""
+
+    def decode(self, ids, **_):
+        return super().decode(ids).replace(" .", ".")
+
+
+class WholeTracker:
+    """The tracker as it was: every pass decodes the whole output."""
+
+    def __init__(self, tokenizer, stops, skip_ids):
+        self.decode = lambda ids: tokenizer.decode([i for i in ids if i not in skip_ids])
+        self.stops, self.released = stops, 0
+
+    def first_stop(self, prev_ids, new_ids):
+        if not self.stops or stop_cut(self.decode(prev_ids + new_ids), self.stops) is None:
+            return None
+        j = next(
+            j
+            for j in range(1, len(new_ids) + 1)
+            if stop_cut(self.decode(prev_ids + new_ids[:j]), self.stops) is not None
+        )
+        return j, stop_cut(self.decode(prev_ids + new_ids[:j]), self.stops)
+
+    def release(self, ids, final, cut=None):
+        text = self.decode(ids)
+        end = cut if cut is not None else len(text) if final else safe_length(text, self.stops)
+        delta = text[self.released : end] if end > self.released else ""
+        self.released = max(self.released, end)
+        return delta
+
+
+def run_passes(tracker, passes: list[list[int]]) -> list[tuple]:
+    """What the decoding loop does with a tracker, pass by pass: (stop hit, released text)."""
+    out: list[int] = []
+    seen = []
+    for i, new in enumerate(passes):
+        hit = tracker.first_stop(out, new)
+        out += new[: hit[0]] if hit else new
+        final = hit is not None or i == len(passes) - 1
+        seen.append((hit, tracker.release(out, final, hit[1] if hit else None)))
+        if final:
+            break
+    return seen
+
+
+@pytest.mark.parametrize("kind", [ByteTokenizer, SpaceTokenizer, CleanupTokenizer])
+@pytest.mark.parametrize("stops", [(), ("b.",), ("\u2603 b", "a!")])
+@pytest.mark.parametrize("seed", range(40))
+def test_windowed_text_is_the_whole_decode(kind, stops, seed):
+    rng = random.Random(seed)
+    ids = [rng.randrange(1, len(ByteTokenizer.pieces)) for _ in range(rng.randrange(1, 40))] + [0]
+    cuts = sorted(rng.sample(range(1, len(ids)), min(len(ids) - 1, rng.randrange(0, 8))))
+    passes = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+    want = run_passes(WholeTracker(kind(), stops, {0}), passes)
+    assert run_passes(TextTracker(kind(), stops, {0}), passes) == want, f"{passes=}"
+
+
+def test_a_pass_decodes_a_window_not_the_output():
+    tok = ByteTokenizer()
+    tracker = TextTracker(tok, (), {0})
+    out: list[int] = []
+    for _ in range(50):
+        out += [1, 2, 3, 4]  # "a b" then "é" in two pieces
+        tok.calls.clear()
+        assert tracker.release(out, final=False) == "a b\u00e9"
+        assert max(tok.calls) <= 8, f"{tok.calls=}"  # this pass and the one before
+
+
+def test_a_cleanup_across_the_seam_decodes_the_whole_output():
+    # "a b" + " " then "." : the tokenizer turns " ." into "." only once both are there
+    passes = [[1, 2, 11], [12, 1]]
+    tracker = TextTracker(CleanupTokenizer(), (), {0})
+    assert run_passes(tracker, passes) == run_passes(WholeTracker(CleanupTokenizer(), (), {0}), passes)
+    assert tracker.text([1, 2, 11, 12, 1]) == "a b.a"
+
+
+def test_a_partial_character_waits_for_its_end():
+    tracker = TextTracker(ByteTokenizer(), (), {0})
+    assert tracker.release([1, 5], final=False) == "a"  # the snowman's first two bytes: U+FFFD held
+    assert tracker.text([1, 5]) == "a\ufffd"
+    assert tracker.release([1, 5, 6], final=False) == "\u2603"
+    assert tracker.release([1, 5, 6, 7, 8, 0], final=True) == "\U0001f600"
 
 
 # --- stop strings through the decoding loop ------------------------------------------------------

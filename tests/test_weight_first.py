@@ -1,18 +1,22 @@
-"""``kv.few_rows_linears``: CPU passes of a few rows compute large linears as ``W @ x.T``.
+"""``kv.WeightFirst``: CPU passes of a few rows compute large linears as ``W @ x.T``.
 
-The product is the same (to float rounding), the swap is undone after every pass (also a failed one,
-also with passes overlapping on threads), and only large float32 CPU linears are touched. That
-greedy decoding with it stays token-identical to plain decoding is checked in test_equivalence.
+The product is the same (to float rounding); which linears take that path is decided once, when the
+pair is built; only agentspec's own passes of 2..FEW_ROWS rows take it (also after a failed pass,
+also with passes overlapping on threads), so every other caller of the model gets ``F.linear``;
+only large float32 CPU linears are touched. That greedy decoding with it stays token-identical to
+plain decoding is checked in test_equivalence.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
 
 from agentspec import kv
+from agentspec.models import ModelPair
 
 
 def linear(n_out: int = 48, n_in: int = 16, bias: bool = True, dtype=torch.float32) -> torch.nn.Linear:
@@ -20,13 +24,22 @@ def linear(n_out: int = 48, n_in: int = 16, bias: bool = True, dtype=torch.float
     return torch.nn.Linear(n_in, n_out, bias=bias).to(dtype)
 
 
-def swapped(module: torch.nn.Module) -> bool:
+def installed(module: torch.nn.Module) -> bool:
     return "forward" in vars(module)
 
 
 @pytest.fixture
 def every_weight_is_large(monkeypatch):
     monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 0)
+
+
+@pytest.fixture
+def weight_first_calls(monkeypatch) -> list[int]:
+    """The row counts of every weight-first product computed while the test runs."""
+    rows_seen: list[int] = []
+    real = kv._weight_first
+    monkeypatch.setattr(kv, "_weight_first", lambda m, x: rows_seen.append(x.shape[-2]) or real(m, x))
+    return rows_seen
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -39,24 +52,30 @@ def test_weight_first_computes_the_linear(shape, bias):
     torch.testing.assert_close(out, torch.nn.functional.linear(x, lin.weight, lin.bias))
 
 
-def test_large_linears_are_swapped_inside_the_block_only(monkeypatch):
-    model = torch.nn.Sequential(linear(), linear(16, 48))
+def test_large_linears_run_weight_first_inside_a_pass_only(monkeypatch, weight_first_calls):
     monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 48 * 16 * 4)  # both weights hold 3,072 bytes
-    with kv.few_rows_linears(model, rows=4):
-        assert all(swapped(m) for m in model)
-        x = torch.randn(4, 16)
-        torch.testing.assert_close(model(x), model[1](model[0](x)))
-    assert not any(swapped(m) for m in model)
+    model = torch.nn.Sequential(linear(), linear(16, 48))
+    assert kv.WeightFirst(model).linears == list(model) and all(installed(m) for m in model)
+    x = torch.randn(4, 16)
+    with kv.few_rows_pass(rows=4):
+        got = model(x)
+    assert weight_first_calls == [4, 4]  # both linears
+    f = torch.nn.functional.linear
+    torch.testing.assert_close(got, f(f(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias))
+    model(x)  # outside a pass: F.linear
+    assert len(weight_first_calls) == 2
     monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 48 * 16 * 4 + 1)  # now neither is large
-    with kv.few_rows_linears(model, rows=4):
-        assert not any(swapped(m) for m in model)
+    small = torch.nn.Sequential(linear(), linear(16, 48))
+    assert not kv.WeightFirst(small).linears and not any(installed(m) for m in small)
 
 
 @pytest.mark.parametrize("rows", [0, 1, kv.FEW_ROWS + 1])
-def test_one_row_passes_and_prefills_keep_f_linear(every_weight_is_large, rows):
+def test_one_row_passes_and_prefills_keep_f_linear(every_weight_is_large, weight_first_calls, rows):
     lin = linear()
-    with kv.few_rows_linears(lin, rows=rows):
-        assert not swapped(lin)
+    kv.WeightFirst(lin)
+    with kv.few_rows_pass(rows=rows):
+        lin(torch.randn(4, 16))
+    assert not weight_first_calls
 
 
 def test_bfloat16_and_subclasses_are_left_alone(every_weight_is_large):
@@ -64,69 +83,91 @@ def test_bfloat16_and_subclasses_are_left_alone(every_weight_is_large):
         pass
 
     half, sub = linear(dtype=torch.bfloat16), Scaled(16, 48)
-    with kv.few_rows_linears(torch.nn.Sequential(half, sub), rows=4):
-        assert not swapped(half) and not swapped(sub)
+    assert not kv.WeightFirst(torch.nn.Sequential(half, sub)).linears
+    assert not installed(half) and not installed(sub)
 
 
 def test_someone_elses_forward_is_kept(every_weight_is_large):
     lin = linear()
     hooked = lambda x: torch.zeros(1)  # noqa: E731 (accelerate sets an instance forward like this)
     lin.forward = hooked
-    with kv.few_rows_linears(lin, rows=4):
-        assert lin.forward is hooked
+    assert not kv.WeightFirst(lin).linears
     assert lin.forward is hooked
 
 
-def test_a_failed_pass_restores_the_module(every_weight_is_large):
+def test_a_failed_pass_leaves_f_linear_behind(every_weight_is_large, weight_first_calls):
     lin = linear()
-    with pytest.raises(RuntimeError, match="boom"), kv.few_rows_linears(lin, rows=4):
-        assert swapped(lin)
+    kv.WeightFirst(lin)
+    with pytest.raises(RuntimeError, match="boom"), kv.few_rows_pass(rows=4):
         raise RuntimeError("boom")
-    assert not swapped(lin) and not kv._LINEAR_USERS
+    lin(torch.randn(4, 16))
+    assert not weight_first_calls
 
 
-def test_overlapping_passes_on_threads_share_the_swap(every_weight_is_large):
+def test_a_pass_on_one_thread_leaves_another_threads_calls_alone(every_weight_is_large, weight_first_calls):
     lin = linear()
+    kv.WeightFirst(lin)
+    x = torch.randn(3, 16)
     inside, leave = threading.Event(), threading.Event()
 
     def other_pass():
-        with kv.few_rows_linears(lin, rows=3):
+        with kv.few_rows_pass(rows=3):
             inside.set()
             leave.wait(10)
+            lin(x)
 
     thread = threading.Thread(target=other_pass)
-    with kv.few_rows_linears(lin, rows=2):
-        thread.start()
-        assert inside.wait(10)
-    assert swapped(lin)  # the other pass is still inside
+    thread.start()
+    assert inside.wait(10)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))  # this thread: F.linear
+    assert not weight_first_calls
     leave.set()
     thread.join(10)
-    assert not swapped(lin) and not kv._LINEAR_USERS
+    assert weight_first_calls == [3]  # the other thread's pass ran weight-first
 
 
-def test_model_state_passes_use_it(every_weight_is_large, tiny_llama, monkeypatch):
-    rows_seen = []
-    real = kv._weight_first
-    monkeypatch.setattr(kv, "_weight_first", lambda m, x: rows_seen.append(x.shape[-2]) or real(m, x))
-    state = kv.ModelState(tiny_llama(0))
+def test_model_state_passes_use_it(every_weight_is_large, tiny_llama, weight_first_calls):
+    model = tiny_llama(0)
+    kv.WeightFirst(model)
+    state = kv.ModelState(model)
     state.forward([1, 2, 3], keep=1)
     state.forward([4], keep=1)
-    assert rows_seen and set(rows_seen) <= {3, 1}  # the 3-token pass; the 1-token pass never swaps
+    rows_seen = weight_first_calls
+    assert rows_seen and set(rows_seen) <= {3, 1}  # the 3-token pass; the 1-token pass never runs it
     n = len(rows_seen)
     state.forward([5], keep=1)
     assert len(rows_seen) == n
 
 
-def test_the_large_linears_are_found_once_per_model(every_weight_is_large, monkeypatch):
-    model = torch.nn.Sequential(linear())
+def test_the_large_linears_are_found_once_per_pair(every_weight_is_large, tiny_llama, monkeypatch):
+    model = tiny_llama(0)
     walks = []
     real = model.modules
     monkeypatch.setattr(model, "modules", lambda: walks.append(1) or real())
-    for _ in range(3):
-        with kv.few_rows_linears(model, rows=4):
-            assert swapped(model[0])
+    pair = ModelPair(target=model, tokenizer=None)
+    assert len(walks) == 1 and pair.weight_first.linears
+    assert {id(m) for m in pair.weight_first.linears} == {id(m) for m in real() if type(m) is torch.nn.Linear}
+    state = kv.ModelState(model)
+    for ids in ([1, 2, 3], [4, 5], [6]):
+        state.forward(ids, keep=len(ids))
     assert len(walks) == 1
-    monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 1 << 30)  # another threshold: found again, none large
-    with kv.few_rows_linears(model, rows=4):
-        assert not swapped(model[0])
-    assert len(walks) == 2
+
+
+def test_a_draft_sharing_the_targets_head_gets_it_once(every_weight_is_large, tiny_llama):
+    target = tiny_llama(0)
+    draft = copy.deepcopy(target)
+    draft.lm_head = target.lm_head
+    pair = ModelPair(target=target, draft=draft, tokenizer=None)
+    ids = [id(m) for m in pair.weight_first.linears]
+    assert len(ids) == len(set(ids)) and id(target.lm_head) in ids
+
+
+@torch.inference_mode()
+def test_generate_on_the_pairs_model_is_unchanged(every_weight_is_large, tiny_llama, weight_first_calls):
+    model, untouched = tiny_llama(0), tiny_llama(0)
+    ModelPair(target=model, tokenizer=None)
+    x = torch.tensor([[3, 17, 42, 5, 9]])
+    assert torch.equal(model(x).logits, untouched(x).logits)  # bit-identical: F.linear
+    kw = dict(do_sample=False, max_new_tokens=12, pad_token_id=0, attention_mask=torch.ones_like(x))
+    assert torch.equal(model.generate(x, **kw), untouched.generate(x, **kw))
+    assert not weight_first_calls

@@ -3,10 +3,12 @@
 An agent resends its growing conversation on every call. After a call, the KV state of the
 verified tokens (prompt + accepted output) of the target, and of the draft model when one was
 used, goes into a radix tree keyed by the token ids and namespaced by the model pair (names, dtype,
-device, and any ``extra`` key such as an adapter). The next call restores its longest cached
-prefix and prefills only the rest. The target is restored to its longest cached prefix; the draft
-model to the part of that prefix it covers (a draft that sat out part of a call, as a scheduled
-draft model may, covers less), and it catches up on the rest when it next drafts.
+device, and any ``extra`` key such as an adapter) and by the call's ``namespace`` (SGLang's
+``extra_key``: a server keeps tenants apart with it; one byte budget covers them all). The next
+call restores its longest cached prefix and prefills only the rest. The target is restored to its
+longest cached prefix; the draft model to the part of that prefix it covers (a draft that sat out
+part of a call, as a scheduled draft model may, covers less), and it catches up on the rest when it
+next drafts.
 """
 
 from __future__ import annotations
@@ -72,31 +74,36 @@ class PrefixCache:
     def bytes_used(self) -> int:
         return self.tree.bytes_used
 
-    def namespace(self, pair) -> Hashable:
-        return (pair.key, self.extra_key)
+    def namespace(self, pair, namespace: str | None = None) -> Hashable:
+        """The tree's key for ``pair``'s entries saved under ``namespace`` (None: the shared one)."""
+        return (pair.key, self.extra_key, namespace)
 
-    def restore(self, pair, ids: list[int], models: Mapping[str, object]) -> dict[str, ModelState]:
+    def restore(
+        self, pair, ids: list[int], models: Mapping[str, object], namespace: str | None = None
+    ) -> dict[str, ModelState]:
         """ModelStates for each model: the target's covers the longest cached prefix of ids[:-1],
         each other model's the part of it that model has in the cache (see the module docstring).
 
-        The last prompt token is always left to feed: its logits give the first output token.
-        Pass the target first.
+        Only entries saved under the same ``namespace`` are read (a tenant's, say; None: the
+        default, shared one). The last prompt token is always left to feed: its logits give the
+        first output token. Pass the target first.
         """
         states = {name: ModelState(model) for name, model in models.items()}
         if not all(_supports_reuse(s.cache) for s in states.values()):
             return states
-        found = self.tree.lookup_each(self.namespace(pair), ids[:-1], list(models))
+        found = self.tree.lookup_each(self.namespace(pair, namespace), ids[:-1], list(models))
         for name, (n, segs) in found.items():
             if n:
                 states[name] = _state(models[name], segs, ids[:n])
         return states
 
-    def save(self, pair, states: Mapping[str, ModelState]) -> None:
-        """Record the verified tokens each state covers (the draft: only what matches the target)."""
+    def save(self, pair, states: Mapping[str, ModelState], namespace: str | None = None) -> None:
+        """Record the verified tokens each state covers (the draft: only what matches the target),
+        under ``namespace``: only a restore under the same one reads them."""
         target = states["target"]
         if not target.ids or not _supports_reuse(target.cache):
             return
-        ns = self.namespace(pair)
+        ns = self.namespace(pair, namespace)
         self.tree.insert(ns, target.ids, "target", _segments(target, len(target.ids)))
         for name, state in states.items():
             if name == "target" or not _supports_reuse(state.cache):

@@ -11,7 +11,8 @@ Invariants (checked by ``check``):
   model's KV has it from the first token on;
 - ``bytes_used`` is the sum of the segment bytes of all nodes and never exceeds ``budget`` after
   an insert returns;
-- nodes with ``lock_ref > 0`` (being restored) are never evicted.
+- nodes with ``lock_ref > 0`` (being restored) are never evicted;
+- ``evictable`` holds exactly the nodes without children whose ``lock_ref`` is 0.
 
 Thread-safe: one re-entrant lock guards the tree. Keys of different model pairs never mix: each
 namespace has its own root.
@@ -19,6 +20,7 @@ namespace has its own root.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 from collections.abc import Hashable, Sequence
@@ -38,9 +40,6 @@ def slice_segments(seg: Segments, start: int, end: int) -> Segments:
     return [(k[:, :, start:end].clone(), v[:, :, start:end].clone()) for k, v in seg]
 
 
-_clock = itertools.count()
-
-
 @dataclass(eq=False)
 class Node:
     key: tuple[int, ...] = ()
@@ -48,7 +47,7 @@ class Node:
     children: dict[int, Node] = field(default_factory=dict)
     kv: dict[str, Segments] = field(default_factory=dict)  # model name -> segments of `key`
     lock_ref: int = 0
-    last_access: int = field(default_factory=lambda: next(_clock))
+    last_access: int = 0  # the tree's clock at the last lookup or insert through this node
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +72,9 @@ class RadixCache:
         self.roots: dict[Hashable, Node] = {}
         self.lock = threading.RLock()
         self.evictions = 0
+        self.clock = itertools.count(1)  # LRU order: ticks of lookups and inserts
+        # nodes without children and not in use (lock_ref 0): the candidates for eviction
+        self.evictable: set[Node] = set()
 
     # --- lookup -------------------------------------------------------------------------------
     def lookup(
@@ -129,10 +131,11 @@ class RadixCache:
                 if n < len(child.key):
                     break
                 node = child
-            tick = next(_clock)
+            tick = next(self.clock)
             for nd in path:
                 nd.lock_ref += 1
                 nd.last_access = tick
+                self.evictable.discard(nd)
             return Match(length, path, namespace)
 
     def _release(self, match: Match) -> None:
@@ -140,6 +143,13 @@ class RadixCache:
             for nd in match.nodes:
                 nd.lock_ref -= 1
                 assert nd.lock_ref >= 0, f"{nd.lock_ref=}"
+                self._update_evictable(nd)
+
+    def _update_evictable(self, node: Node) -> None:
+        if node.children or node.lock_ref or node.parent is None:
+            self.evictable.discard(node)
+        else:
+            self.evictable.add(node)
 
     def _gather(self, match: Match, model: str, length: int) -> Segments:
         """The first ``length`` (<= match.length) positions of ``model``'s KV along the match."""
@@ -171,7 +181,7 @@ class RadixCache:
         with self.lock:
             root = self.roots.setdefault(namespace, Node())
             node, pos, added = root, 0, 0
-            tick = next(_clock)
+            tick = next(self.clock)
             while pos < len(ids):
                 child = node.children.get(ids[pos])
                 if child is None:
@@ -179,6 +189,8 @@ class RadixCache:
                         break  # invariant: a model's KV never starts below the root
                     child = Node(key=tuple(ids[pos:]), parent=node)
                     node.children[ids[pos]] = child
+                    self.evictable.discard(node)
+                    self._update_evictable(child)
                 n = _shared(child.key, ids, pos)
                 if n < len(child.key):
                     child = self._split(child, n)
@@ -207,16 +219,31 @@ class RadixCache:
 
     # --- eviction -------------------------------------------------------------------------------
     def _evict(self) -> None:
-        while self.bytes_used > self.budget:
-            leaves = [nd for nd in self._nodes() if not nd.children and nd.lock_ref == 0]
-            if not leaves:
-                break  # everything left is in use; it goes when released and the next insert runs
-            victim = min(leaves, key=lambda nd: nd.last_access)
+        """Remove least recently used evictable leaves until the budget holds.
+
+        As SGLang's ``RadixCache.evict``: a heap of the evictable leaves by last access; a parent
+        left without children (and not in use) joins it. Nothing else touches the tree meanwhile
+        (the lock is held), so no entry goes stale. Accesses stamp one path at a time and only its
+        end is a leaf, so no two leaves share a time: the order is by ``last_access`` alone.
+        """
+        if self.bytes_used <= self.budget:
+            return
+        heap = [(nd.last_access, id(nd), nd) for nd in self.evictable]
+        heapq.heapify(heap)
+        while self.bytes_used > self.budget and heap:
+            _, _, victim = heapq.heappop(heap)
+            parent = victim.parent
             self._remove(victim)
+            if parent is not None and parent in self.evictable:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        # what is left over budget is in use: it goes when released and the next insert runs
 
     def _remove(self, node: Node) -> None:
         assert node.parent is not None and not node.children
-        del node.parent.children[node.key[0]]
+        parent = node.parent
+        del parent.children[node.key[0]]
+        self.evictable.discard(node)
+        self._update_evictable(parent)
         self.bytes_used -= node.nbytes
         self.evictions += 1
         node.kv.clear()
@@ -253,6 +280,8 @@ class RadixCache:
                 assert nd.lock_ref >= 0
                 total += nd.nbytes
             assert total == self.bytes_used, f"{total=} {self.bytes_used=}"
+            leaves = {nd for nd in self._nodes() if not nd.children and nd.lock_ref == 0}
+            assert leaves == self.evictable, f"{len(leaves)=} {len(self.evictable)=}"
 
 
 def _shared(key: tuple[int, ...], ids: Sequence[int], pos: int) -> int:
