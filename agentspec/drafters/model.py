@@ -23,7 +23,7 @@ from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.eagle import EagleState, is_eagle
 from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
-from agentspec.grammar import Constraint, apply_mask
+from agentspec.grammar import Constraint, apply_bitmask
 from agentspec.kv import ModelState
 from agentspec.sampling import probabilities
 
@@ -91,10 +91,10 @@ class ModelDrafter(Drafter):
             if sched is not None and len(pending) == 1:
                 sched.cost.observe_draft(time.perf_counter() - t0)
             if constraint is not None:
-                allowed = constraint.allowed()
-                if constraint.terminated or not bool(allowed.any()):
+                bitmask = constraint.bitmask()  # packed: the kernel applies it, nothing is unpacked
+                if constraint.terminated or not bool(bitmask.any()):
                     break
-                logits = apply_mask(logits, allowed)
+                logits = apply_bitmask(logits[None], bitmask[None])[0]
             q = (
                 None
                 if config.greedy
