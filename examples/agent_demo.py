@@ -148,9 +148,11 @@ def tracing(otlp_endpoint: str | None = None) -> tuple[TracerProvider, InMemoryS
     memory = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(memory))
     if otlp_endpoint:
-        from agentspec.telemetry.phoenix import otlp_processor
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        provider.add_span_processor(otlp_processor(otlp_endpoint, batch=True))
+        exporter = OTLPSpanExporter(endpoint=f"{otlp_endpoint.rstrip('/')}/v1/traces")
+        provider.add_span_processor(BatchSpanProcessor(exporter))
         try:
             from openinference.instrumentation.langchain import LangChainInstrumentor
         except ImportError:

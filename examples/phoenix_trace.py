@@ -27,11 +27,11 @@ from pathlib import Path
 
 import agent_demo
 import torch
+from phoenix_local import local_phoenix, spans_dataframe
 
 import agentspec
 from agentspec.telemetry import attributes as A
 from agentspec.telemetry import calibrate
-from agentspec.telemetry.phoenix import local_phoenix, spans_dataframe
 from langchain_agentspec import ChatSpecDecode
 
 

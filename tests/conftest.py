@@ -1,4 +1,13 @@
-"""Shared fixtures for the decoding-core tests: tiny random Llama models and a fake tokenizer.
+"""Shared fixtures for every rung: tiny random Llama models and a fake tokenizer.
+
+The tests form a ladder, one folder a rung, all collected by ``make test``:
+
+- ``unit/``: no model weights (hand-written token arrays, tiny random models, byte and fake
+  tokenizers, the embedded tokenizer's files): the algorithms, the equivalence and sampling tests;
+- ``model/``: the embedded SmolLM2-135M-Instruct (``pytest.mark.model``): the engine and the
+  LangChain chat model on a real model;
+- ``standard/``: LangChain's standard chat-model suites;
+- ``e2e/``: end to end, a real trace backend (Arize Phoenix) and agents.
 
 Everything here runs on a CPU with no downloads. Models are built from a ``LlamaConfig`` under a
 fixed ``torch.manual_seed``, so every test sees the same weights on every run. Helpers that tests

@@ -16,7 +16,6 @@ import dataclasses
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
-from langchain_core.tools import tool
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -24,6 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from scripted_calls import WholeCall, now
 
 from agentspec import grammar as G
 from agentspec.cache import PrefixCache
@@ -41,25 +41,11 @@ from agentspec.telemetry import (
 )
 from agentspec.telemetry import attributes as A
 from langchain_agentspec import ChatSpecDecode
-from langchain_agentspec.messages import tool_call_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # a cost model with round numbers: prefill_s(n) = 0.1 + 0.01 n, decode_s(c) = 0.05 + 0.001 c
 ROUND = dict(p0=0.1, p1=0.01, p2=0.0, d0=0.05, d1=0.001)
-
-
-@tool
-def now() -> str:
-    """The current time."""
-    return "12:00"
-
-
-class WholeCall(ChatSpecDecode):
-    """Writes the whole ``now`` call into the reply when ``tool_choice="now"`` (a random model cannot)."""
-
-    def _prefill(self, messages, tools, tool_choice):
-        return tool_call_text("now", {}) if tool_choice == "now" else None
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,12 @@ from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
-from test_telemetry import WholeCall, now  # noqa: E402  (the same scripted tool call)
+from scripted_calls import WholeCall, now  # noqa: E402  (the scripted tool call)
 
 from agentspec.cache import PrefixCache  # noqa: E402
 from agentspec.models import ModelPair, ensure_default_model  # noqa: E402
 from agentspec.telemetry import attributes as A  # noqa: E402
-from agentspec.telemetry.phoenix import local_phoenix, otlp_processor, spans_dataframe  # noqa: E402
+from examples.phoenix_local import local_phoenix, otlp_processor, spans_dataframe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""A local Arize Phoenix trace backend, for the example and the integration test.
+"""A local Arize Phoenix trace backend, for ``phoenix_trace.py`` and the end-to-end test (not library code).
 
 Optional: ``pip install arize-phoenix opentelemetry-exporter-otlp-proto-http`` (both are imported on
 use). ``local_phoenix()`` starts ``phoenix serve`` on free loopback ports with a temporary working
