@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-all lint bench
+.PHONY: setup demo test test-all lint bench wheels
 
 setup:
 	bash scripts/setup.sh
@@ -26,3 +26,7 @@ test-all: setup lint
 bench: setup
 	$(BIN)/agentspec bench
 	$(BIN)/python -m langchain_agentspec.bench
+
+# both distributions (agentspec-decode, langchain-agentspec) built as wheels and imported in a clean venv
+wheels:
+	bash scripts/check_wheels.sh
