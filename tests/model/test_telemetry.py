@@ -272,9 +272,9 @@ def test_no_sdk_records_nothing_and_leaves_the_generator_alone(chat_pair, monkey
 
 def test_a_deep_copy_of_the_chat_model_records_to_the_same_providers():
     llm = ChatSpecDecode(max_tokens=3)  # the global providers, looked up at each call
-    llm._telemetry.call(None, "m", {}, streamed=False)  # has resolved them once
+    llm._tracing().call(None, "m", {}, streamed=False)  # has resolved them once
     copied = copy.deepcopy(llm)  # a Telemetry holds a lock: it copies itself without it
-    assert copied._telemetry is not llm._telemetry and copied._telemetry.tracer_provider is None
+    assert copied._tracing() is not llm._tracing() and copied._tracing().tracer_provider is None
 
 
 # -- under an agent run ---------------------------------------------------------------------------------

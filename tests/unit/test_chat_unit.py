@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from langchain_core.tools import tool
 from pydantic import ValidationError
@@ -104,3 +109,64 @@ def test_byte_budget_gives_an_own_cache():
     cache = llm._prefix_cache(llm.prefix_cache)
     assert cache.budget_bytes == 1 << 20 and llm._prefix_cache(1 << 20) is cache
     assert llm._prefix_cache(False) is False and llm._prefix_cache(True) is True
+
+
+# A child process where the engine and what it stands on cannot be imported, as in an environment
+# that installed langchain-agentspec without [local] (a client of a remote endpoint).
+_WITHOUT_ENGINE = """
+import sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"agentspec", "torch", "transformers", "xgrammar"}:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, Refuse())
+from langchain_core.tools import tool
+from pydantic import BaseModel
+
+import langchain_agentspec
+from langchain_agentspec import ChatSpecDecode
+
+assert langchain_agentspec.__file__.startswith(sys.argv[1]), langchain_agentspec.__file__
+
+@tool
+def add(a: int, b: int) -> int:
+    \"\"\"Add two integers.\"\"\"
+    return a + b
+
+class Answer(BaseModel):
+    value: int
+
+llm = ChatSpecDecode()
+llm.bind_tools([add], tool_choice="any")
+llm.with_structured_output(Answer)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {"agentspec", "torch", "transformers"})
+assert not loaded, loaded
+named = ChatSpecDecode(model="m")  # its first call reaches the engine in _stream, past the model name
+for use in (lambda: llm.invoke("hi"), lambda: named.invoke("hi"), lambda: ChatSpecDecode(pair=1)):
+    try:
+        use()
+    except ImportError as exc:
+        print(exc)
+    else:
+        raise AssertionError("no ImportError")
+"""
+
+
+def test_import_and_construction_need_no_engine():
+    root = str(Path(lc.__file__).parents[1])  # this copy of the package, not another one installed
+    run = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_ENGINE, root],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert run.returncode == 0, run.stderr
+    hint = (
+        "ChatSpecDecode runs a local model pair with the agentspec engine: "
+        "pip install 'langchain-agentspec[local]'"
+    )
+    assert run.stdout.splitlines() == [hint] * 3, f"{run.stdout=}"

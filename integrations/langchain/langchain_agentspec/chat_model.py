@@ -1,8 +1,9 @@
 """``ChatSpecDecode``: a LangChain chat model over agentspec's decoding loop.
 
 One path: ``_stream`` prepares the request with ``agentspec.chat`` (the messages converted to the
-OpenAI format), runs ``agentspec.stream`` and turns its steps into
-chunks; ``_generate`` only aggregates ``_stream`` (so tool calls, usage and metadata are the same
+OpenAI format), runs ``agentspec.stream`` and turns its steps into chunks (the engine is imported
+there, on the first local call, through ``_engine``: building the model and binding tools need no
+torch); ``_generate`` only aggregates ``_stream`` (so tool calls, usage and metadata are the same
 on both), and ``_astream`` runs ``_stream`` on one worker thread (the pair's lock must be released
 by the thread that took it, which LangChain's default per-chunk executor hop does not guarantee).
 
@@ -26,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -37,19 +38,17 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-import agentspec
-from agentspec import chat
-from agentspec.chat.request import checked_tools, normalise_tool_choice, output_grammar, response_schema
-from agentspec.config import GenerationConfig
-from agentspec.decode import DRAFTER_NAMES
-from agentspec.drafters import Drafter
-from agentspec.models import DEFAULT_NAME, ModelPair
-from agentspec.stats import DecodeStats
-from agentspec.telemetry import Telemetry
+from langchain_agentspec import _engine
 from langchain_agentspec.messages import to_openai_messages
 from langchain_agentspec.structured import openai_response_format, structured_parser
+
+if TYPE_CHECKING:  # the engine is imported on first local use, through _engine
+    from agentspec import GenerationConfig, ModelPair
+    from agentspec.chat import PreparedRequest
+    from agentspec.stats import DecodeStats
+    from agentspec.telemetry import Telemetry
 
 # Arguments LangChain's standard tests and callers pass to any chat model; meaningless for a local
 # model, so they are accepted and dropped. Any other unknown argument is an error (a typo would
@@ -66,6 +65,7 @@ _CALL_OVERRIDES = {
 # model, draft model, device and dtype share one set of weights (and one prefix cache).
 _PAIRS: weakref.WeakValueDictionary[tuple, ModelPair] = weakref.WeakValueDictionary()
 _PAIRS_LOCK = threading.Lock()
+_TELEMETRY_LOCK = threading.Lock()  # guards each instance's first ``_tracing()``
 
 
 def shared_pair(model: str | None, draft_model: str | None, device: str | None, dtype: str | None):
@@ -74,7 +74,7 @@ def shared_pair(model: str | None, draft_model: str | None, device: str | None, 
     with _PAIRS_LOCK:
         pair = _PAIRS.get(key)
         if pair is None:
-            pair = agentspec.load_pair(model, draft_model, device=device, dtype=dtype)
+            pair = _engine.engine().load_pair(model, draft_model, device=device, dtype=dtype)
             _PAIRS[key] = pair
         return pair
 
@@ -110,7 +110,7 @@ class _Call:
     """One request, prepared: what ``_stream`` runs."""
 
     pair: ModelPair
-    request: chat.PreparedRequest  # prompt ids, the reply's grammar and forced start, its tools
+    request: PreparedRequest  # prompt ids, the reply's grammar and forced start, its tools
     options: dict[str, Any]  # agentspec.stream options (GenerationConfig fields, prefix_cache, grammar)
     drafter: Any
 
@@ -191,8 +191,9 @@ class ChatSpecDecode(BaseChatModel):
     """Under a grammar, append tokens it forces without a model guess and propose the text it forces
     as draft tokens. None: on when ``speculative`` is (the plain baseline has neither)."""
 
-    pair: ModelPair | None = Field(default=None, exclude=True, repr=False)
-    """An already loaded ``agentspec.load_pair(...)``; replaces model, draft_model, device, dtype."""
+    pair: Any = Field(default=None, exclude=True, repr=False)
+    """An already loaded ``agentspec.ModelPair`` (``agentspec.load_pair(...)``); replaces model,
+    draft_model, device, dtype."""
 
     tracer_provider: Any = Field(default=None, exclude=True, repr=False)
     """OpenTelemetry TracerProvider for a ``chat {model}`` span per call (``agentspec.telemetry``).
@@ -205,7 +206,7 @@ class ChatSpecDecode(BaseChatModel):
 
     _loaded: ModelPair | None = PrivateAttr(default=None)
     _own_cache: Any = PrivateAttr(default=None)  # the PrefixCache of a prefix_cache=<bytes> instance
-    _telemetry: Telemetry = PrivateAttr()  # the tracer and instruments of the providers above
+    _telemetry: Telemetry | None = PrivateAttr(default=None)  # built by _tracing() on the first call
 
     @model_validator(mode="before")
     @classmethod
@@ -218,6 +219,14 @@ class ChatSpecDecode(BaseChatModel):
             raise ValueError(f"ChatSpecDecode: unknown arguments {sorted(unknown)}")
         return {k: v for k, v in values.items() if k in known}
 
+    @field_validator("pair")
+    @classmethod
+    def _check_pair(cls, pair: Any) -> Any:
+        # a pair is the engine's: passing one imports it (the install hint where it is missing)
+        if pair is not None and not isinstance(pair, _engine.engine().ModelPair):
+            raise ValueError(f"pair: expected an agentspec.ModelPair, got {type(pair).__name__}")
+        return pair
+
     @model_validator(mode="after")
     def _check(self) -> ChatSpecDecode:
         if self.pair is not None:
@@ -227,17 +236,22 @@ class ChatSpecDecode(BaseChatModel):
                 clash.insert(0, "model")
             if clash:
                 raise ValueError(f"pass either pair= or {clash}, not both: the pair is already loaded")
-        d = self.drafter
-        if not (d in DRAFTER_NAMES or isinstance(d, Drafter)):
-            raise ValueError(f"drafter: expected one of {DRAFTER_NAMES} or a Drafter, got {d!r}")
         budget = self.prefix_cache
         if isinstance(budget, int) and not isinstance(budget, bool) and budget <= 0:
             raise ValueError(f"prefix_cache: a byte budget must be > 0, got {self.prefix_cache}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
-        self._generation_config({})  # checks temperature, top_p, top_k, seed, stop now
-        self._telemetry = Telemetry(self.tracer_provider, self.meter_provider)
+        if _engine.installed():  # else the first local call checks these, with the same code
+            self._check_with_engine()
         return self
+
+    def _check_with_engine(self) -> None:
+        """The settings only the engine's code knows how to check: the drafter, the sampling ones."""
+        agentspec = _engine.engine()
+        names, d = _engine.drafter_names(), self.drafter
+        if not (d in names or isinstance(d, agentspec.Drafter)):
+            raise ValueError(f"drafter: expected one of {names} or a Drafter, got {d!r}")
+        self._generation_config({})  # checks temperature, top_p, top_k, seed, stop
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -247,10 +261,11 @@ class ChatSpecDecode(BaseChatModel):
 
     @property
     def model_name(self) -> str:
-        """Name of the target model (the loaded pair's, when there is one)."""
+        """Name of the target model (the loaded pair's, when there is one; the engine names its
+        embedded default)."""
         if self.pair is not None:
             return self.pair.name
-        return self.model or DEFAULT_NAME
+        return self.model or _engine.default_model_name()
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -315,14 +330,23 @@ class ChatSpecDecode(BaseChatModel):
         tool (or "any" with a single tool bound) gives exactly one call, and decoding stops as soon
         as it is complete; ``parallel_tool_calls=False`` does the same for any reply.
         """
-        formatted = checked_tools([convert_to_openai_tool(t, strict=strict) for t in tools])
-        choice = normalise_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
-        answer = response_schema(openai_response_format(kwargs.get("response_format")))
-        if kwargs.get("constrained", self.constrained):  # a schema the grammar engine refuses fails here
-            output_grammar(formatted if choice != "none" else [], choice, answer, "hermes", single=False)
-        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+        if _engine.installed():  # else agentspec.chat.prepare checks them at the first local call
+            formatted, tool_choice = self._checked_tools(formatted, tool_choice, kwargs)
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def _checked_tools(self, tools: list[dict], tool_choice: Any, kwargs: dict) -> tuple[list[dict], Any]:
+        """Tools and ``tool_choice`` as ``agentspec.chat`` normalises them; a schema the grammar
+        engine refuses fails here, at binding."""
+        request = _engine.engine().chat.request
+        tools = request.checked_tools(tools)
+        choice = request.normalise_tool_choice(tool_choice, [t["function"]["name"] for t in tools])
+        answer = request.response_schema(openai_response_format(kwargs.get("response_format")))
+        if kwargs.get("constrained", self.constrained):
+            request.output_grammar(tools if choice != "none" else [], choice, answer, "hermes", single=False)
+        return tools, choice
 
     def with_structured_output(
         self,
@@ -350,21 +374,12 @@ class ChatSpecDecode(BaseChatModel):
             raise ValueError(
                 f"method: expected 'json_schema', 'function_calling' or 'json_mode', got {method!r}"
             )
-        if schema is None and method == "json_mode":
-            json_schema, parser = {"type": "object"}, structured_parser(dict)
-        else:
-            json_schema = response_schema(schema) if isinstance(schema, dict) else None
-            json_schema = json_schema or convert_to_json_schema(schema)
-            parser = structured_parser(schema)
-        name = json_schema.get("title", "response") if isinstance(json_schema, dict) else "response"
-        response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema}}
-        if self.constrained:
-            output_grammar([], None, json_schema, "hermes", single=False)  # refuse a bad schema now
+        parser = structured_parser(dict if schema is None else schema)
         llm = self.bind(
-            response_format=response_format,
+            response_format=self._response_format(schema, method),
             ls_structured_output_format={
                 "kwargs": {"method": method},
-                "schema": convert_to_json_schema(schema) if schema is not None else json_schema,
+                "schema": convert_to_json_schema(schema) if schema is not None else {"type": "object"},
             },
         )
         if not include_raw:
@@ -374,6 +389,24 @@ class ChatSpecDecode(BaseChatModel):
         )
         failed = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+
+    def _response_format(self, schema: dict | type | None, method: str) -> dict:
+        """The ``response_format`` ``with_structured_output`` binds for ``schema``; with ``constrained``,
+        a schema the grammar engine refuses fails here. Without the engine, a dict is bound as it
+        is: ``agentspec.chat`` reads each of its forms at the first local call, and checks it there."""
+        if schema is None and method == "json_mode":
+            json_schema = {"type": "object"}
+        elif not isinstance(schema, dict):
+            json_schema = convert_to_json_schema(schema)
+        elif _engine.installed():
+            request = _engine.engine().chat.request
+            json_schema = request.response_schema(schema) or convert_to_json_schema(schema)
+        else:
+            return schema
+        if self.constrained and _engine.installed():
+            _engine.engine().chat.request.output_grammar([], None, json_schema, "hermes", single=False)
+        name = json_schema.get("title", "response") if isinstance(json_schema, dict) else "response"
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema}}
 
     def _resolve_model_profile(self) -> dict:
         # tools and tool_choice work, and structured output is constrained by a grammar: tells
@@ -393,7 +426,7 @@ class ChatSpecDecode(BaseChatModel):
         max_tokens = get("max_tokens", self.max_tokens)
         speculative = get("speculative", self.speculative)
         jump_forward = get("jump_forward", self.jump_forward)
-        return GenerationConfig(
+        return _engine.engine().GenerationConfig(
             max_new_tokens=max_tokens if max_tokens is not None else 1 << 30,
             temperature=get("temperature", self.temperature),
             top_k=get("top_k", self.top_k),
@@ -413,9 +446,7 @@ class ChatSpecDecode(BaseChatModel):
         if isinstance(setting, bool):
             return setting
         if self._own_cache is None or self._own_cache.budget_bytes != setting:
-            from agentspec.cache import PrefixCache
-
-            self._own_cache = PrefixCache(setting)
+            self._own_cache = _engine.engine().cache.PrefixCache(setting)
         return self._own_cache
 
     def _prefill(self, messages: list[BaseMessage], tools: list[dict], tool_choice: str | None) -> str | None:
@@ -447,7 +478,7 @@ class ChatSpecDecode(BaseChatModel):
             overrides["stop"] = stop
         config = self._generation_config(overrides)
         pair = self.load()
-        request = chat.prepare(
+        request = _engine.engine().chat.prepare(
             pair.tokenizer,
             to_openai_messages(messages),
             tools,
@@ -488,13 +519,14 @@ class ChatSpecDecode(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         """The chunks of one request (``streamed``: the caller streams; False when ``_generate``
         aggregates them, which the span records as ``gen_ai.request.stream``)."""
+        agentspec = _engine.engine()  # the first local call imports it (or says how to install it)
         try:
             call = self._prepare(messages, stop, kwargs)
         except Exception as exc:
             self._trace(None, run_manager, streamed, exc)
             raise
         start = time.perf_counter()
-        parser = chat.ReplyParser(call.request)
+        parser = agentspec.chat.ReplyParser(call.request)
         errors: dict[str, str] = {}  # invalid call id -> why (chunk merging drops the error field)
         trace = self._trace(
             call, run_manager, streamed
@@ -610,6 +642,15 @@ class ChatSpecDecode(BaseChatModel):
             cancelled.set()
             await asyncio.shield(worker)
 
+    def _tracing(self) -> Telemetry:
+        """The engine's ``Telemetry`` for this instance's providers, built on the first call (one,
+        when the first calls come from several threads: each would create its own instruments)."""
+        with _TELEMETRY_LOCK:
+            if self._telemetry is None:
+                telemetry = _engine.engine().telemetry
+                self._telemetry = telemetry.Telemetry(self.tracer_provider, self.meter_provider)
+            return self._telemetry
+
     def _trace(
         self, call: _Call | None, run_manager: Any, streamed: bool, error: Exception | None = None
     ) -> Any:
@@ -626,7 +667,7 @@ class ChatSpecDecode(BaseChatModel):
             span = handler.get_span(run_manager.run_id) if hasattr(handler, "get_span") else None
             if isinstance(span, otel_trace.Span):
                 parent = otel_trace.set_span_in_context(span)
-        trace = self._telemetry.call(
+        trace = self._tracing().call(
             call.pair if call is not None else None,
             self.model_name,
             call.options if call is not None else {},

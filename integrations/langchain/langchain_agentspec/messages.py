@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import (
     AIMessage,
@@ -24,11 +24,11 @@ from langchain_core.messages import (
     ToolMessage,
 )
 
-from agentspec.chat import Prompt
-from agentspec.chat import render as render_openai
-from agentspec.chat.prompt import tool_call_text
+from langchain_agentspec import _engine
 
-# scripted ``_prefill`` hooks (tests, constrained starts) write past calls with it
+if TYPE_CHECKING:
+    from agentspec.chat import Prompt
+
 __all__ = ["render", "to_openai_messages", "tool_call_text"]
 
 _NON_TEXT_BLOCKS = {"image", "image_url", "audio", "input_audio", "file", "video"}
@@ -112,4 +112,10 @@ def render(
     prefill: str | None = None,
 ) -> Prompt:
     """Prompt text and ids for LangChain ``messages`` (``agentspec.chat.render`` on their OpenAI form)."""
-    return render_openai(tokenizer, to_openai_messages(messages), tools, tool_choice, prefill)
+    return _engine.engine().chat.render(tokenizer, to_openai_messages(messages), tools, tool_choice, prefill)
+
+
+def tool_call_text(name: str, args: dict) -> str:
+    """A call as the model writes it (``agentspec.chat.tool_call_text``): scripted ``_prefill`` hooks
+    (tests, constrained starts) write past calls with it."""
+    return _engine.engine().chat.tool_call_text(name, args)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import InvalidToolCall, ToolCall
 from langchain_core.messages.tool import invalid_tool_call, tool_call
 
-from agentspec.chat import tool_calls as core
+from langchain_agentspec import _engine
+
+if TYPE_CHECKING:
+    from agentspec.chat.tool_calls import Event
 
 
 @dataclass
@@ -36,7 +39,7 @@ def to_langchain_call(kind: str, call: dict) -> ToolCall | InvalidToolCall:
     return tool_call(name=function["name"], args=json.loads(function["arguments"]), id=call["id"])
 
 
-def _langchain_events(events: list[core.Event]) -> list[tuple[str, Any]]:
+def _langchain_events(events: list[Event]) -> list[tuple[str, Any]]:
     return [
         (kind, value) if kind == "text" else ("call", to_langchain_call(kind, value))
         for kind, value in events
@@ -48,7 +51,7 @@ class ToolCallSplitter:
     return ``("text", str)`` or ``("call", ToolCall | InvalidToolCall)`` events."""
 
     def __init__(self, names: Collection[str] | None = None, bare_json: bool = True):
-        self._core = core.ToolCallSplitter(names, bare_json)
+        self._core = _engine.engine().chat.ToolCallSplitter(names, bare_json)
 
     def feed(self, delta: str) -> list[tuple[str, Any]]:
         return _langchain_events(self._core.feed(delta))
@@ -70,7 +73,7 @@ def collect(events: list[tuple[str, Any]], into: ParsedOutput) -> ParsedOutput:
 
 def parse_tool_calls(text: str, names: Collection[str] | None = None, bare_json: bool = True) -> ParsedOutput:
     """Content, tool calls and invalid tool calls of one whole model output."""
-    reply = core.parse_reply(text, names, bare_json)
+    reply = _engine.engine().chat.parse_reply(text, names, bare_json)
     return ParsedOutput(
         reply.content,
         [to_langchain_call("call", c) for c in reply.tool_calls],
