@@ -200,7 +200,7 @@ def overhead(pair, args) -> dict:
     )["input_ids"]
     steps = list(agentspec.stream(pair, ids, max_new_tokens=48, prefix_cache=False))
     decode_s = sum(s.seconds for s in steps)
-    options = {"max_new_tokens": 48, "temperature": 0.0, "speculative": True}
+    config = agentspec.GenerationConfig(max_new_tokens=48, temperature=0.0, speculative=True)
 
     def restamped():
         for s in steps:  # each pass as just begun: the trace reads Step.started on the call's clock
@@ -211,7 +211,7 @@ def overhead(pair, args) -> dict:
         telemetry = Telemetry(**providers)  # one per caller, as the chat model keeps one
         t0 = time.perf_counter()
         for _ in range(n):
-            call = telemetry.call(pair, pair.name, options, streamed=False)
+            call = telemetry.call(pair, pair.name, config, streamed=False)
             watched = call.watch(restamped())  # a generator, as agentspec.stream gives
             for _ in watched:
                 pass

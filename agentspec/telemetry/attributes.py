@@ -11,9 +11,9 @@ exporter glue in ``agentspec.telemetry.otel`` only hands them to a span or an in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
+from agentspec.config import GenerationConfig
 from agentspec.stats import DecodeStats
 
 # -- span: OpenTelemetry GenAI conventions ---------------------------------------------------------
@@ -97,26 +97,28 @@ def base_attributes(model: str) -> dict[str, Any]:
     return {OPERATION_NAME: OPERATION, PROVIDER_NAME: PROVIDER, REQUEST_MODEL: model}
 
 
-def request_attributes(model: str, options: Mapping[str, Any], streamed: bool) -> dict[str, Any]:
-    """A request's attributes; ``options`` are ``agentspec.stream`` options (GenerationConfig fields)."""
+def request_attributes(
+    model: str, config: GenerationConfig | None, prefix_cache: Any, streamed: bool
+) -> dict[str, Any]:
+    """A request's attributes: its ``GenerationConfig`` and ``prefix_cache`` setting (as
+    ``agentspec.stream`` takes them); ``config`` None for a call refused before it had one."""
     attrs = base_attributes(model)
     attrs[REQUEST_STREAM] = streamed
-    pairs = (
-        (REQUEST_MAX_TOKENS, "max_new_tokens"),
-        (REQUEST_TEMPERATURE, "temperature"),
-        (REQUEST_TOP_P, "top_p"),
-        (REQUEST_TOP_K, "top_k"),
-        (REQUEST_SEED, "seed"),
-        (REQUEST_SPECULATIVE, "speculative"),
-        (REQUEST_NUM_DRAFT_TOKENS, "num_draft_tokens"),
+    if config is None:
+        return attrs
+    given = (
+        (REQUEST_MAX_TOKENS, config.max_new_tokens),
+        (REQUEST_TEMPERATURE, config.temperature),
+        (REQUEST_TOP_P, config.top_p),
+        (REQUEST_TOP_K, config.top_k),
+        (REQUEST_SEED, config.seed),
+        (REQUEST_SPECULATIVE, config.speculative),
+        (REQUEST_NUM_DRAFT_TOKENS, config.num_draft_tokens),
     )
-    for name, option in pairs:
-        if options.get(option) is not None:
-            attrs[name] = options[option]
-    if options.get("stop"):
-        attrs[REQUEST_STOP_SEQUENCES] = list(options["stop"])
-    if "prefix_cache" in options or "speculative" in options:  # a real request (not a failed one)
-        attrs[REQUEST_PREFIX_CACHE] = options.get("prefix_cache", True) not in (False, None)
+    attrs.update((name, value) for name, value in given if value is not None)
+    if config.stop:
+        attrs[REQUEST_STOP_SEQUENCES] = list(config.stop)
+    attrs[REQUEST_PREFIX_CACHE] = prefix_cache not in (False, None)
     return attrs
 
 

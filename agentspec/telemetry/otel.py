@@ -14,10 +14,9 @@ the latency estimate learns from the passes the loop timed (``agentspec.telemetr
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics, trace
@@ -149,7 +148,8 @@ class Telemetry:
         self,
         pair: ModelPair | None,
         model: str,
-        options: Mapping[str, Any],
+        config: GenerationConfig | None,
+        prefix_cache: Any = True,
         *,
         streamed: bool,
         parent: Any = None,
@@ -157,7 +157,14 @@ class Telemetry:
         """The ``CallTrace`` of one call (arguments as ``CallTrace``'s)."""
         tracer, instruments = self._resolved()
         return CallTrace(
-            pair, model, options, streamed=streamed, parent=parent, tracer=tracer, instruments=instruments
+            pair,
+            model,
+            config,
+            prefix_cache,
+            streamed=streamed,
+            parent=parent,
+            tracer=tracer,
+            instruments=instruments,
         )
 
 
@@ -165,7 +172,8 @@ class CallTrace:
     """The span and metric points of one model call.
 
     ``pair`` may be None for a call that failed before a model was chosen (no estimate then).
-    ``options`` are the call's ``agentspec.stream`` options; ``streamed`` whether the caller
+    ``config`` and ``prefix_cache`` are what the call passes to ``agentspec.stream`` (``config``
+    None: refused before it had one); ``streamed`` whether the caller
     receives chunks; ``parent`` an OpenTelemetry Context whose span is the parent (None: the
     current one); ``tracer`` and ``instruments`` where the call is recorded (``Telemetry.call``
     resolves them; both None: nothing is). Looking up the pair's CostModel runs no model pass.
@@ -175,7 +183,8 @@ class CallTrace:
         self,
         pair: ModelPair | None,
         model: str,
-        options: Mapping[str, Any],
+        config: GenerationConfig | None,
+        prefix_cache: Any = True,
         *,
         streamed: bool,
         parent: Any = None,
@@ -192,7 +201,7 @@ class CallTrace:
         if tracer is not None:
             span = tracer.start_span(A.span_name(model), context=parent, kind=SpanKind.INTERNAL)
             if span.is_recording():
-                span.set_attributes(A.request_attributes(model, options, streamed))
+                span.set_attributes(A.request_attributes(model, config, prefix_cache, streamed))
                 self.span = span
         if self.span is None and self.instruments is None:  # a sampler dropped the span: nothing to do
             self.enabled = False
@@ -308,13 +317,12 @@ def traced_stream(
     from agentspec.decode import stream
 
     try:  # the request's attributes; a bad option is raised by stream() below, inside the span
-        config = options.get("config") or GenerationConfig(**options)
-        described = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    except Exception:
-        described = dict(options)
-    described["prefix_cache"] = prefix_cache
+        config = options["config"] if "config" in options else GenerationConfig(**options)
+    except (TypeError, ValueError):
+        config = None
     # one call: a Telemetry of its own (a caller making many keeps one and calls its ``call``)
-    call = Telemetry(tracer_provider, meter_provider).call(pair, model or pair.name, described, streamed=True)
+    telemetry = Telemetry(tracer_provider, meter_provider)
+    call = telemetry.call(pair, model or pair.name, config, prefix_cache, streamed=True)
     steps = call.watch(stream(pair, prompt_ids, drafter, prefix_cache, **options))
     try:
         yield from steps

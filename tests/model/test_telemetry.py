@@ -257,7 +257,7 @@ def test_no_sdk_records_nothing_and_leaves_the_generator_alone(chat_pair, monkey
     telemetry = Telemetry(
         tracer_provider=trace.NoOpTracerProvider(), meter_provider=metrics.NoOpMeterProvider()
     )
-    call = telemetry.call(chat_pair, "m", {}, streamed=True)
+    call = telemetry.call(chat_pair, "m", None, streamed=True)
     steps = iter([])
     assert not call.enabled and call.watch(steps) is steps
     # the API's global stand-ins (no SDK installed) count as none
@@ -265,14 +265,14 @@ def test_no_sdk_records_nothing_and_leaves_the_generator_alone(chat_pair, monkey
     from opentelemetry.metrics._internal import _ProxyMeterProvider
 
     monkeypatch.setattr(metrics, "get_meter_provider", lambda: _ProxyMeterProvider())
-    assert not Telemetry().call(chat_pair, "m", {}, streamed=False).enabled
+    assert not Telemetry().call(chat_pair, "m", None, streamed=False).enabled
     reply = ChatSpecDecode(pair=chat_pair, max_tokens=3).invoke("hi")  # and the model works as before
     assert reply.usage_metadata["output_tokens"] == 3
 
 
 def test_a_deep_copy_of_the_chat_model_records_to_the_same_providers():
     llm = ChatSpecDecode(max_tokens=3)  # the global providers, looked up at each call
-    llm._tracing().call(None, "m", {}, streamed=False)  # has resolved them once
+    llm._tracing().call(None, "m", None, streamed=False)  # has resolved them once
     copied = copy.deepcopy(llm)  # a Telemetry holds a lock: it copies itself without it
     assert copied._tracing() is not llm._tracing() and copied._tracing().tracer_provider is None
 

@@ -45,7 +45,7 @@ from langchain_agentspec.messages import to_openai_messages
 from langchain_agentspec.structured import openai_response_format, structured_parser
 
 if TYPE_CHECKING:  # the engine is imported on first local use, through _engine
-    from agentspec import GenerationConfig, ModelPair
+    from agentspec import Constraint, GenerationConfig, ModelPair
     from agentspec.chat import PreparedRequest
     from agentspec.stats import DecodeStats
     from agentspec.telemetry import Telemetry
@@ -111,7 +111,9 @@ class _Call:
 
     pair: ModelPair
     request: PreparedRequest  # prompt ids, the reply's grammar and forced start, its tools
-    options: dict[str, Any]  # agentspec.stream options (GenerationConfig fields, prefix_cache, grammar)
+    config: GenerationConfig  # the call's options, the request's stop strings and room included
+    prefix_cache: Any  # agentspec.stream's prefix_cache: True, False or a PrefixCache
+    grammar: Constraint | None  # the reply's grammar, compiled for the pair
     drafter: Any
 
 
@@ -488,17 +490,15 @@ class ChatSpecDecode(BaseChatModel):
             constrained=constrained,
             prefill=self._prefill(messages, tools, tool_choice),
         )
-        options = dataclasses.asdict(config)
-        del options["eos_token_ids"]
-        options["stop"] += request.stop
         room = pair.max_context - len(request.prompt.ids)
-        options["max_new_tokens"] = max(1, min(config.max_new_tokens, room))
+        config = dataclasses.replace(
+            config,
+            stop=config.stop + request.stop,
+            max_new_tokens=max(1, min(config.max_new_tokens, room)),
+        )
         prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
-        if prefix_cache is not True:
-            options["prefix_cache"] = prefix_cache
-        if request.grammar is not None:
-            options["grammar"] = request.constraint(pair)
-        return _Call(pair, request, options, overrides.get("drafter", self.drafter))
+        grammar = request.constraint(pair) if request.grammar is not None else None
+        return _Call(pair, request, config, prefix_cache, grammar, overrides.get("drafter", self.drafter))
 
     def _stream(
         self,
@@ -531,8 +531,9 @@ class ChatSpecDecode(BaseChatModel):
         trace = self._trace(
             call, run_manager, streamed
         )  # a span and metrics (no-ops without an OpenTelemetry SDK)
+        ids, config = call.request.prompt.ids, call.config
         steps = trace.watch(
-            agentspec.stream(call.pair, call.request.prompt.ids, call.drafter, **call.options)
+            agentspec.stream(call.pair, ids, call.drafter, call.prefix_cache, call.grammar, config=config)
         )
         try:
             for step in steps:
@@ -670,7 +671,8 @@ class ChatSpecDecode(BaseChatModel):
         trace = self._tracing().call(
             call.pair if call is not None else None,
             self.model_name,
-            call.options if call is not None else {},
+            call.config if call is not None else None,
+            call.prefix_cache if call is not None else True,
             streamed=streamed,
             parent=parent,
         )
