@@ -7,10 +7,9 @@ over the cache), so on a CPU every layer of every pass copies the whole cache, n
 times over. PyTorch's CPU SDPA handles grouped heads itself (``enable_gqa=True``). ``agentspec_sdpa``
 is transformers' ``sdpa`` with that one case changed, registered through transformers'
 ``AttentionInterface`` (and ``sdpa``'s mask builder), so a model opts in with
-``model.set_attn_implementation("agentspec_sdpa")``. ``benchmarks/bench_attention.py`` on
-SmolLM2-135M (3 KV heads for 9 query heads), one CPU thread, 1,100 cached tokens: an 8-token
-verify pass 307 -> 246 ms (T(8)/T(1) 2.55 -> 1.95), logits bit-identical. Every other case (GPUs,
-one-token steps, position bias, softcap) is transformers' own path.
+``model.set_attn_implementation("agentspec_sdpa")``. ``benchmarks/bench_attention.py`` measures
+what it saves on verify passes (``benchmarks/results/attention.json``), with bit-identical logits.
+Every other case (GPUs, one-token steps, position bias, softcap) is transformers' own path.
 """
 
 from __future__ import annotations

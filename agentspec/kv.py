@@ -83,7 +83,7 @@ class WeightFirst:
     caller (transformers' ``generate()``, another thread, a user's own code) gets the numbers it
     got before, even while a verify pass runs on the same model; what is left in a model passed in
     is that instance attribute. PyTorch has no switch for the product order, and a
-    ``TorchFunctionMode`` doing this costs ~20 ms a pass in Python dispatch. A module with an
+    ``TorchFunctionMode`` doing this costs more in Python dispatch than it saves. A module with an
     instance ``forward`` already (accelerate's hooks, or this one from an earlier pair of the same
     model) keeps it; a linear put into a model later keeps ``F.linear`` (only speed is lost).
     """

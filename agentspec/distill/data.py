@@ -162,8 +162,8 @@ def generation_batches(items: Sequence[PromptItem], max_prompts: int, max_tokens
     prompts and ``max_tokens`` padded prompt tokens (a longer prompt goes alone).
 
     Left padding makes every prompt of a call as long as its longest: the built-in prompts run from
-    ~40 tokens (chat) to ~700 (agent turns with tool schemas), and one call over both measured 4.5x
-    the real prompt tokens in its prefill. Short prompts share a call, long ones take small calls.
+    ~40 tokens (chat) to ~700 (agent turns with tool schemas), so one call over both would prefill
+    several times the real prompt tokens. Short prompts share a call, long ones take small calls.
     """
     order = sorted(range(len(items)), key=lambda i: (not items[i].greedy, len(items[i].ids)))
     batches: list[list[int]] = []

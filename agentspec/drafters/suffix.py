@@ -3,7 +3,7 @@
 Two trees per call: one over this request's prompt and output, one (``SuffixStore``, one per
 pair) over the outputs of earlier requests, bounded in tokens, oldest output evicted first. Agent
 traffic repeats itself (tool-call JSON, identifiers copied from tool results, the same plans across
-runs), and these are free to query: microseconds per step against a target pass of ~100 ms here.
+runs), and these are free to query: microseconds per step, against milliseconds for a target pass.
 
 The tree. A suffix tree cut at depth D over some token sequences has one node per substring of
 length <= D, counting its occurrences. We keep the equivalent implicit form: the sequences, and
