@@ -156,12 +156,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=cmd_calibrate)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("fetch", help="download and convert the embedded default model").set_defaults(
-        func=cmd_fetch
-    )
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    """The ``generate`` and ``demo`` verbs: one prompt, plain and speculative."""
     for name, help_ in (
         ("generate", "answer a prompt, plain and speculative, and print the speed-up"),
         ("demo", "the main job: answer the demo prompt with the default pair"),
@@ -177,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-tokens", type=int, default=96)
         p.add_argument("--draft-tokens", type=int, default=None, help="cap per pass (default: the drafter's)")
         p.set_defaults(func=cmd_generate)
+
+
+def _add_distill(sub: argparse._SubParsersAction) -> None:
+    """The ``distill`` verb: ``DistillConfig`` fields as options, unset ones left to the config."""
     d = sub.add_parser("distill", help="train a draft model for a target on the target's own responses")
     d.add_argument("--target", default=None, help="hub id, folder or .gguf (default: the embedded model)")
     d.add_argument("--out", required=True, help="the draft folder to write (data/ and checkpoints/ inside)")
@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         help="continue from --out's data and checkpoints (default) or start over",
     )
     d.set_defaults(func=cmd_distill)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    """The ``bench`` verb: agentspec against the baselines on the same work."""
     b = sub.add_parser(
         "bench",
         help="measure agentspec against transformers generate / assisted generation / prompt lookup "
@@ -226,6 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (needs llama-cpp-python)")
     b.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
     b.set_defaults(func=cmd_bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("fetch", help="download and convert the embedded default model").set_defaults(
+        func=cmd_fetch
+    )
+    _add_generate(sub)
+    _add_distill(sub)
+    _add_bench(sub)
     _add_calibrate(sub)
     args = parser.parse_args(argv)
     return args.func(args)

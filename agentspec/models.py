@@ -275,6 +275,23 @@ def default_draft_folder() -> Path | None:
     return DEFAULT_DRAFT if is_draft_folder(DEFAULT_DRAFT) else None
 
 
+def _load_draft(draft_model: Any, target: Any, tok: Any, dev: torch.device, dt: torch.dtype) -> Any:
+    """The draft model, checked to share the target's tokenizer ``tok``."""
+    from agentspec.draft_folder import is_draft_folder, load_draft
+
+    if not is_draft_folder(draft_model):
+        draft, draft_tok = _load_one(draft_model, dev, dt)
+        check_tokenizers(tok, draft_tok or tok)
+        return draft
+    # distilled by `agentspec distill`: loaded onto the target's embeddings and LM head
+    draft = load_draft(draft_model, target)
+    use_grouped_sdpa(getattr(draft, "decoder", draft))  # an EAGLE head: its decoder layer
+    draft_tok = _folder_tokenizer(Path(draft_model).expanduser())
+    if draft_tok is not None:
+        check_tokenizers(tok, draft_tok)
+    return draft
+
+
 def load_pair(
     model: Any = None,
     draft_model: Any = None,
@@ -313,17 +330,7 @@ def load_pair(
     if draft_model is False:
         draft_model = None
     if draft_model is not None:
-        from agentspec.draft_folder import is_draft_folder, load_draft
-
-        if is_draft_folder(draft_model):  # distilled by `agentspec distill`: the target's embeddings
-            draft = load_draft(draft_model, target)
-            use_grouped_sdpa(getattr(draft, "decoder", draft))  # an EAGLE head: its decoder layer
-            draft_tok = _folder_tokenizer(Path(draft_model).expanduser())
-            if draft_tok is not None:
-                check_tokenizers(tok, draft_tok)
-        else:
-            draft, draft_tok = _load_one(draft_model, dev, dt)
-            check_tokenizers(tok, draft_tok or tok)
+        draft = _load_draft(draft_model, target, tok, dev, dt)
         draft_name = str(getattr(draft_model, "name_or_path", draft_model))
     from agentspec.cache import PrefixCache, default_budget
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from agentspec.bench.conversation import tool
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -55,29 +57,23 @@ def _answer(text: str) -> dict[str, str]:
 # --- inventory -------------------------------------------------------------------------------------
 
 INVENTORY_TOOLS = [
-    {
-        "name": "lookup_item",
-        "description": "Find an item in the warehouse inventory by SKU.",
-        "parameters": {
-            "type": "object",
-            "properties": {"sku": {"type": "string", "description": "Stock keeping unit, e.g. UD-300"}},
-            "required": ["sku"],
+    tool(
+        "lookup_item",
+        "Find an item in the warehouse inventory by SKU.",
+        {"sku": {"type": "string", "description": "Stock keeping unit, e.g. UD-300"}},
+        ["sku"],
+    ),
+    tool(
+        "reserve_stock",
+        "Reserve a quantity of an item for an order, from one warehouse.",
+        {
+            "sku": {"type": "string"},
+            "quantity": {"type": "integer", "minimum": 1},
+            "order_id": {"type": "string"},
+            "warehouse": {"type": "string", "enum": ["north", "south", "east"]},
         },
-    },
-    {
-        "name": "reserve_stock",
-        "description": "Reserve a quantity of an item for an order, from one warehouse.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "sku": {"type": "string"},
-                "quantity": {"type": "integer", "minimum": 1},
-                "order_id": {"type": "string"},
-                "warehouse": {"type": "string", "enum": ["north", "south", "east"]},
-            },
-            "required": ["sku", "quantity", "order_id", "warehouse"],
-        },
-    },
+        ["sku", "quantity", "order_id", "warehouse"],
+    ),
 ]
 INVENTORY_SYSTEM = _system(
     "You are StockBot, the operations assistant of an electronics retailer.",
@@ -159,16 +155,18 @@ INVENTORY_2 = Trace(
 # --- SQL analytics ---------------------------------------------------------------------------------
 
 SQL_TOOLS = [
-    {
-        "name": "describe_table",
-        "description": "Columns and types of a table in the analytics warehouse.",
-        "parameters": {"type": "object", "properties": {"table": {"type": "string"}}, "required": ["table"]},
-    },
-    {
-        "name": "run_sql",
-        "description": "Run a read-only SQL query (PostgreSQL dialect) and return at most 50 rows.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
-    },
+    tool(
+        "describe_table",
+        "Columns and types of a table in the analytics warehouse.",
+        {"table": {"type": "string"}},
+        ["table"],
+    ),
+    tool(
+        "run_sql",
+        "Run a read-only SQL query (PostgreSQL dialect) and return at most 50 rows.",
+        {"query": {"type": "string"}},
+        ["query"],
+    ),
 ]
 SQL_SYSTEM = _system(
     "You are a data analyst with read access to the company's PostgreSQL analytics warehouse.",
@@ -248,20 +246,13 @@ SQL = Trace(
 # --- code editing ----------------------------------------------------------------------------------
 
 CODE_TOOLS = [
-    {
-        "name": "read_file",
-        "description": "Read a file of the repository.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-    },
-    {
-        "name": "write_file",
-        "description": "Replace the whole content of a file of the repository.",
-        "parameters": {
-            "type": "object",
-            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-            "required": ["path", "content"],
-        },
-    },
+    tool("read_file", "Read a file of the repository.", {"path": {"type": "string"}}, ["path"]),
+    tool(
+        "write_file",
+        "Replace the whole content of a file of the repository.",
+        {"path": {"type": "string"}, "content": {"type": "string"}},
+        ["path", "content"],
+    ),
 ]
 CODE_SYSTEM = _system(
     "You are a coding agent working in a Python repository.",
@@ -312,20 +303,13 @@ CODE = Trace(
 # --- document Q&A ----------------------------------------------------------------------------------
 
 DOC_TOOLS = [
-    {
-        "name": "search_docs",
-        "description": "Search the help-centre articles; returns ids, titles and snippets.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
-    },
-    {
-        "name": "read_doc",
-        "description": "Read one help-centre article by id.",
-        "parameters": {
-            "type": "object",
-            "properties": {"doc_id": {"type": "string"}},
-            "required": ["doc_id"],
-        },
-    },
+    tool(
+        "search_docs",
+        "Search the help-centre articles; returns ids, titles and snippets.",
+        {"query": {"type": "string"}},
+        ["query"],
+    ),
+    tool("read_doc", "Read one help-centre article by id.", {"doc_id": {"type": "string"}}, ["doc_id"]),
 ]
 DOC_SYSTEM = _system(
     "You answer customer questions from the help-centre articles of a SaaS company.",

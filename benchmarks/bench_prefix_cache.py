@@ -23,6 +23,7 @@ import torch
 
 import agentspec
 from agentspec.bench.conversation import TURNS, messages_for_call, prompt_ids
+from benchmarks.plots import finish
 
 
 def peak_rss_mb() -> float:
@@ -106,12 +107,8 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(x, [c["cache_off"]["ttft_s"] for c in calls], "o-", label="prefix_cache=False")
     ax.plot(x, [c["cache_on"]["ttft_s"] for c in calls], "o-", label="prefix cache on")
-    ax.set_xlabel("agent call")
-    ax.set_ylabel("time to first token (s)")
-    ax.set_title("Time to first token across an agent conversation (SmolLM2-135M, CPU)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    title = "Time to first token across an agent conversation (SmolLM2-135M, CPU)"
+    finish(fig, ax, path, xlabel="agent call", ylabel="time to first token (s)", title=title, dpi=110)
 
 
 def main() -> None:

@@ -46,6 +46,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import agentspec
 from agentspec.telemetry import Telemetry, calibrate, cost_model, set_cost_model
 from agentspec.telemetry import attributes as A
+from benchmarks.plots import finish
 from examples import agent_demo
 from langchain_agentspec import ChatSpecDecode
 
@@ -273,11 +274,8 @@ def plot(result: dict, path: Path) -> None:
     )
     ax.bar([i + 0.2 for i in x], [r["measured_saved_decode_s"] for r in rounds], 0.4, label="measured")
     ax.set_xticks(list(x), [f"round {i + 1}" for i in x])
-    ax.set_ylabel("time saved by agentspec (s)")
-    ax.set_title("agent run: saved, estimated vs measured")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    title = "agent run: saved, estimated vs measured"
+    finish(fig, ax, path, ylabel="time saved by agentspec (s)", title=title, dpi=120)
 
 
 def main() -> None:

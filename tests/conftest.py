@@ -24,6 +24,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import copy  # noqa: E402
+import random  # noqa: E402
 
 import pytest
 import torch
@@ -169,3 +170,26 @@ def hf_greedy():
         return list(memo[key])
 
     return run
+
+
+@pytest.fixture(scope="session")
+def greedy_cases(hf_greedy):
+    """Builds (prompt, the target's ``n_new``-token greedy continuation) for ``n`` random prompts.
+
+    Prompts are 1-40 tokens; every ``every``-th repeats a short pattern, so suffix drafts and prompt
+    lookup have something to find; ``seed`` fixes the prompts.
+    """
+
+    def make(target, n: int, n_new: int, every: int, seed: int) -> list[tuple[list[int], list[int]]]:
+        rng = random.Random(seed)
+        out = []
+        for i in range(n):
+            if i % every == 0:
+                pattern = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+                prompt = (pattern * 10)[: rng.randint(len(pattern) + 1, 40)]
+            else:
+                prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
+            out.append((prompt, hf_greedy(target, prompt, n_new)))
+        return out
+
+    return make

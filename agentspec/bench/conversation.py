@@ -9,59 +9,56 @@ from __future__ import annotations
 
 import json
 
+
+def tool(name: str, description: str, properties: dict, required: list[str] | None = None) -> dict:
+    """One tool's schema as the system prompts list it: name, description, JSON-schema parameters."""
+    parameters: dict = {"type": "object", "properties": properties}
+    if required is not None:
+        parameters["required"] = required
+    return {"name": name, "description": description, "parameters": parameters}
+
+
 TOOLS = [
-    {
-        "name": "lookup_item",
-        "description": "Find an item in the warehouse inventory by SKU or by name.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "sku": {"type": "string", "description": "Stock keeping unit, e.g. KB-87"},
-                "name": {"type": "string", "description": "Free-text item name"},
-                "warehouse": {"type": "string", "enum": ["north", "south", "east"]},
-            },
+    tool(
+        "lookup_item",
+        "Find an item in the warehouse inventory by SKU or by name.",
+        {
+            "sku": {"type": "string", "description": "Stock keeping unit, e.g. KB-87"},
+            "name": {"type": "string", "description": "Free-text item name"},
+            "warehouse": {"type": "string", "enum": ["north", "south", "east"]},
         },
-    },
-    {
-        "name": "reserve_stock",
-        "description": "Reserve a quantity of an item for an order; fails if stock is short.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "sku": {"type": "string"},
-                "quantity": {"type": "integer", "minimum": 1},
-                "order_id": {"type": "string"},
-            },
-            "required": ["sku", "quantity", "order_id"],
+    ),
+    tool(
+        "reserve_stock",
+        "Reserve a quantity of an item for an order; fails if stock is short.",
+        {
+            "sku": {"type": "string"},
+            "quantity": {"type": "integer", "minimum": 1},
+            "order_id": {"type": "string"},
         },
-    },
-    {
-        "name": "list_orders",
-        "description": "List the open orders of a customer, newest first.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "customer_id": {"type": "string"},
-                "status": {"type": "string", "enum": ["open", "shipped", "cancelled"]},
-                "limit": {"type": "integer", "default": 10},
-            },
-            "required": ["customer_id"],
+        ["sku", "quantity", "order_id"],
+    ),
+    tool(
+        "list_orders",
+        "List the open orders of a customer, newest first.",
+        {
+            "customer_id": {"type": "string"},
+            "status": {"type": "string", "enum": ["open", "shipped", "cancelled"]},
+            "limit": {"type": "integer", "default": 10},
         },
-    },
-    {
-        "name": "create_shipment",
-        "description": "Create a shipment for reserved stock with a carrier and service level.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "order_id": {"type": "string"},
-                "carrier": {"type": "string", "enum": ["DHL", "UPS", "FedEx"]},
-                "service": {"type": "string", "enum": ["standard", "express", "overnight"]},
-                "address": {"type": "string"},
-            },
-            "required": ["order_id", "carrier"],
+        ["customer_id"],
+    ),
+    tool(
+        "create_shipment",
+        "Create a shipment for reserved stock with a carrier and service level.",
+        {
+            "order_id": {"type": "string"},
+            "carrier": {"type": "string", "enum": ["DHL", "UPS", "FedEx"]},
+            "service": {"type": "string", "enum": ["standard", "express", "overnight"]},
+            "address": {"type": "string"},
         },
-    },
+        ["order_id", "carrier"],
+    ),
 ]
 
 POLICIES = """\

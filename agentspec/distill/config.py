@@ -78,14 +78,25 @@ class DistillConfig:
     resume: bool = True  # continue from <out>/data and <out>/checkpoints when they exist
 
     def __post_init__(self) -> None:
-        def fail(name: str, expected: str) -> None:
-            raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+        self._check_counts()
+        self._check_architecture()
+        self._check_numbers()
+        # fields that only make sense together
+        if self.time_budget_s is None and self.steps is None:
+            raise ValueError("steps: required when time_budget_s is None (nothing else ends training)")
+        if self.prompt_weight > 0 and self.store_prompt_positions is False:
+            raise ValueError("store_prompt_positions: prompt_weight > 0 needs True (or None)")
 
-        def positive_int(name: str) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                fail(name, "a positive integer")
+    def _fail(self, name: str, expected: str) -> None:
+        raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
 
+    def _positive_int(self, name: str) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            self._fail(name, "a positive integer")
+
+    def _check_counts(self) -> None:
+        """The integer fields: sizes, step counts and the seed."""
         for name in (
             "n_layers",
             "n_prompts",
@@ -98,23 +109,26 @@ class DistillConfig:
             "batch_tokens",
             "checkpoint_every",
         ):
-            positive_int(name)
+            self._positive_int(name)
         if self.steps is not None:
-            positive_int("steps")
+            self._positive_int("steps")
         if self.draft_vocab is not None:
-            positive_int("draft_vocab")
+            self._positive_int("draft_vocab")
         if (
             isinstance(self.warmup_steps, bool)
             or not isinstance(self.warmup_steps, int)
             or self.warmup_steps < 0
         ):
-            fail("warmup_steps", "an integer >= 0")
+            self._fail("warmup_steps", "an integer >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            fail("seed", "an integer")
+            self._fail("seed", "an integer")
+
+    def _check_architecture(self) -> None:
+        """The draft's architecture and the fields it decides (the learning rate, the init layers)."""
         if self.architecture not in ARCHITECTURES:
-            fail("architecture", f"one of {ARCHITECTURES}")
+            self._fail("architecture", f"one of {ARCHITECTURES}")
         if self.eagle_unroll not in (1, 2):
-            fail("eagle_unroll", "1 or 2")
+            self._fail("eagle_unroll", "1 or 2")
         if self.lr is None:
             object.__setattr__(self, "lr", 1e-3 if self.architecture == "eagle" else 5e-4)
         if self.architecture == "eagle" and self.init_layers is not None and len(self.init_layers) != 1:
@@ -126,7 +140,7 @@ class DistillConfig:
             if isinstance(layers, str) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in layers
             ):
-                fail("init_layers", "a sequence of layer indices")
+                self._fail("init_layers", "a sequence of layer indices")
             object.__setattr__(self, "init_layers", tuple(layers))
             if self.architecture == "layers" and len(self.init_layers) != self.n_layers:
                 raise ValueError(
@@ -134,7 +148,10 @@ class DistillConfig:
                     f"n_layers={self.n_layers}; give one target layer per draft layer"
                 )
             if any(i < 0 for i in self.init_layers):
-                fail("init_layers", "indices >= 0")
+                self._fail("init_layers", "indices >= 0")
+
+    def _check_numbers(self) -> None:
+        """The real-valued fields: fractions, rates, weights and the time budget."""
         for name, lo, hi in (
             ("greedy_fraction", 0.0, 1.0),
             ("heldout_fraction", 0.0, 0.5),
@@ -143,23 +160,19 @@ class DistillConfig:
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
-                fail(name, f"a number in [{lo}, {hi}]")
+                self._fail(name, f"a number in [{lo}, {hi}]")
         for name in ("sample_temperature", "lr", "grad_clip"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                fail(name, "a number > 0")
+                self._fail(name, "a number > 0")
         for name in ("prompt_weight", "weight_decay", "ce_weight", "eagle_cls_weight"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                fail(name, "a number >= 0")
+                self._fail(name, "a number >= 0")
         if self.time_budget_s is not None and (
             not isinstance(self.time_budget_s, (int, float)) or self.time_budget_s <= 0
         ):
-            fail("time_budget_s", "a number of seconds > 0, or None")
-        if self.time_budget_s is None and self.steps is None:
-            raise ValueError("steps: required when time_budget_s is None (nothing else ends training)")
-        if self.prompt_weight > 0 and self.store_prompt_positions is False:
-            raise ValueError("store_prompt_positions: prompt_weight > 0 needs True (or None)")
+            self._fail("time_budget_s", "a number of seconds > 0, or None")
 
     @property
     def prompt_positions(self) -> bool:

@@ -144,16 +144,46 @@ def distill(
     log = _log(cfg)
     t_start = time.monotonic()
     out = Path(out).expanduser()
-    data_dir, ckpt_dir = out / "data", out / "checkpoints"
-    if not cfg.resume:
-        for sub in (data_dir, ckpt_dir):  # only our own subfolders; the draft files are rewritten
-            shutil.rmtree(sub, ignore_errors=True)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir, ckpt_dir = _folders(out, cfg.resume)
     from agentspec.models import default_device
 
     device = torch.device(cfg.device) if cfg.device else default_device()
     model, tok, name = load_target(target, tokenizer, device)
     eos_ids, pad_id = special_ids(model, tok)
+    special = (eos_ids, pad_id)
+    train_examples, eval_examples, deadline = _examples(
+        model, tok, special, cfg, prompts, name, out, t_start, log
+    )
+    vocab = None
+    n_vocab = model.get_output_embeddings().weight.shape[0]
+    if cfg.draft_vocab is not None and cfg.draft_vocab < n_vocab:
+        vocab = draft_vocab([e.ids for e in train_examples], n_vocab, cfg.draft_vocab)
+    torch.manual_seed(cfg.seed)
+    examples = (train_examples, eval_examples)
+    student, objective, init_layers = _student(model, cfg, examples, data_dir, vocab, pad_id)
+    fit = dict(pad_id=pad_id, deadline=deadline, log=log, objective=objective)
+    state = train(student, train_examples, eval_examples, cfg, ckpt_dir, **fit)
+    final = objective.evaluate()
+    metrics = _metrics(name, cfg, prompts, state, final, train_examples, eval_examples, data_dir, init_layers)
+    card = model_card(name, cfg, init_layers, metrics)
+    info = {"init_layers": list(init_layers)}
+    save_draft(student, out, card=card, target_name=name, tokenizer=tok, info=info, vocab=vocab)
+    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+    if final:
+        log(
+            f"held-out top-1 agreement {final['top1_agreement']:.3f} "
+            f"(before training: {state.initial_eval['top1_agreement']:.3f})"
+        )
+    log(f"draft saved to {out}")
+    return out
+
+
+def _examples(model, tok, special: tuple, cfg: DistillConfig, prompts, name: str, out: Path, t_start, log):
+    """The training and held-out examples (built, or read back when resuming) and the run's deadline.
+
+    ``special`` is ``(eos_ids, pad_id)``; the data and checkpoints are ``out``'s subfolders.
+    """
+    (eos_ids, pad_id), data_dir, ckpt_dir = special, out / "data", out / "checkpoints"
     train_items, eval_items = prompt_items(cfg, tok, prompts)
     if not train_items:
         raise ValueError("prompts: every prompt fell in the held-out split; give more prompts")
@@ -165,65 +195,17 @@ def distill(
     deadline = None if budget is None else t_start + budget - spent_data - spent_train
     if not checkpoint_paths(ckpt_dir):  # once training has started, the data stays as it is
         data_deadline = None if budget is None else t_start + budget * cfg.data_budget_fraction - spent_data
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=len(train_items) + len(eval_items), disable=not cfg.progress, desc="data", unit="prompt"
-        )
-        common = dict(eos_ids=eos_ids, pad_id=pad_id, on_shard=bar.update)
-        build_split(model, eval_items, data_dir, "eval", cfg, **common)
-        done = build_split(model, train_items, data_dir, "train", cfg, deadline=data_deadline, **common)
-        bar.close()
-        if done.prompts < len(train_items):
-            log(f"data budget reached after {done.prompts} of {len(train_items)} training prompts")
+        _build_data(model, cfg, train_items, eval_items, data_dir, eos_ids, pad_id, data_deadline, log)
     train_examples, eval_examples = load_examples(data_dir, "train"), load_examples(data_dir, "eval")
     if not train_examples:
         raise RuntimeError(f"no training data in {data_dir}")  # not reached: one shard is always made
+    return train_examples, eval_examples, deadline
 
-    vocab = None
-    n_vocab = model.get_output_embeddings().weight.shape[0]
-    if cfg.draft_vocab is not None and cfg.draft_vocab < n_vocab:
-        vocab = draft_vocab([e.ids for e in train_examples], n_vocab, cfg.draft_vocab)
-    eagle = cfg.architecture == "eagle"
-    n_target = model.config.num_hidden_layers
-    torch.manual_seed(cfg.seed)
-    if eagle:  # the target's features at every position: one more pass per example, saved
-        from tqdm.auto import tqdm
 
-        n_examples = len(eval_examples) + len(train_examples)
-        bar = tqdm(total=n_examples, disable=not cfg.progress, desc="features", unit="prompt")
-        attach_features(model, eval_examples, data_dir, "eval", cfg.shard_prompts, on_shard=bar.update)
-        attach_features(model, train_examples, data_dir, "train", cfg.shard_prompts, on_shard=bar.update)
-        bar.close()
-        init_layers = cfg.init_layers or (n_target - 1,)
-        student = build_eagle(model, init_layers[0])
-        objective = EagleObjective(
-            student,
-            eval_examples,
-            vocab,
-            pad_id=pad_id,
-            prompt_weight=cfg.prompt_weight,
-            cls_weight=cfg.eagle_cls_weight,
-            scale=feature_scale(train_examples),
-            batch_tokens=cfg.batch_tokens,
-            unroll=cfg.eagle_unroll,
-        )
-    else:
-        init_layers = cfg.init_layers or default_init_layers(cfg.n_layers, n_target)
-        student = build_student(model, cfg.n_layers, init_layers)
-        objective = LayersObjective(student, eval_examples, cfg, pad_id)
-    state = train(
-        student,
-        train_examples,
-        eval_examples,
-        cfg,
-        ckpt_dir,
-        pad_id=pad_id,
-        deadline=deadline,
-        log=log,
-        objective=objective,
-    )
-    final = objective.evaluate()
+def _metrics(
+    name: str, cfg: DistillConfig, prompts, state, final, train_examples, eval_examples, data_dir, init_layers
+):
+    """What the run measured and how it was made: the draft folder's metrics.json."""
     metrics = {
         "target": name,
         "heldout_before": state.initial_eval,
@@ -240,24 +222,67 @@ def distill(
     metrics["prompts"] = (
         "given by the caller" if prompts is not None else f"agentspec.distill.prompts, seed {cfg.seed}"
     )
-    card = model_card(name, cfg, init_layers, metrics)
-    save_draft(
+    return metrics
+
+
+def _folders(out: Path, resume: bool) -> tuple[Path, Path]:
+    """The data and checkpoint subfolders of ``out``, emptied first unless resuming."""
+    data_dir, ckpt_dir = out / "data", out / "checkpoints"
+    if not resume:
+        for sub in (data_dir, ckpt_dir):  # only our own subfolders; the draft files are rewritten
+            shutil.rmtree(sub, ignore_errors=True)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return data_dir, ckpt_dir
+
+
+def _build_data(
+    model, cfg: DistillConfig, train_items, eval_items, data_dir: Path, eos_ids, pad_id, deadline, log
+):
+    """The target's responses to the held-out and training prompts, as shards in ``data_dir``."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(train_items) + len(eval_items), disable=not cfg.progress, desc="data", unit="prompt")
+    common = dict(eos_ids=eos_ids, pad_id=pad_id, on_shard=bar.update)
+    build_split(model, eval_items, data_dir, "eval", cfg, **common)
+    done = build_split(model, train_items, data_dir, "train", cfg, deadline=deadline, **common)
+    bar.close()
+    if done.prompts < len(train_items):
+        log(f"data budget reached after {done.prompts} of {len(train_items)} training prompts")
+
+
+def _student(model, cfg: DistillConfig, examples: tuple, data_dir: Path, vocab, pad_id):
+    """The draft to train, initialised from the target, its objective and the layers it started from.
+
+    ``examples`` is ``(train_examples, eval_examples)``.
+    """
+    train_examples, eval_examples = examples
+    n_target = model.config.num_hidden_layers
+    if cfg.architecture != "eagle":
+        init_layers = cfg.init_layers or default_init_layers(cfg.n_layers, n_target)
+        student = build_student(model, cfg.n_layers, init_layers)
+        return student, LayersObjective(student, eval_examples, cfg, pad_id), init_layers
+    from tqdm.auto import tqdm
+
+    # the target's features at every position: one more pass per example, saved
+    n_examples = len(eval_examples) + len(train_examples)
+    bar = tqdm(total=n_examples, disable=not cfg.progress, desc="features", unit="prompt")
+    attach_features(model, eval_examples, data_dir, "eval", cfg.shard_prompts, on_shard=bar.update)
+    attach_features(model, train_examples, data_dir, "train", cfg.shard_prompts, on_shard=bar.update)
+    bar.close()
+    init_layers = cfg.init_layers or (n_target - 1,)
+    student = build_eagle(model, init_layers[0])
+    objective = EagleObjective(
         student,
-        out,
-        card=card,
-        target_name=name,
-        tokenizer=tok,
-        info={"init_layers": list(init_layers)},
-        vocab=vocab,
+        eval_examples,
+        vocab,
+        pad_id=pad_id,
+        prompt_weight=cfg.prompt_weight,
+        cls_weight=cfg.eagle_cls_weight,
+        scale=feature_scale(train_examples),
+        batch_tokens=cfg.batch_tokens,
+        unroll=cfg.eagle_unroll,
     )
-    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
-    if final:
-        log(
-            f"held-out top-1 agreement {final['top1_agreement']:.3f} "
-            f"(before training: {state.initial_eval['top1_agreement']:.3f})"
-        )
-    log(f"draft saved to {out}")
-    return out
+    return student, objective, init_layers
 
 
 def data_summary(train_examples, eval_examples) -> dict:
@@ -297,6 +322,28 @@ def model_card(name: str, cfg: DistillConfig, init_layers, metrics: dict) -> str
         "",
         "## Recipe",
         "",
+        *_recipe(cfg, init_layers, metrics),
+        "",
+        "## Data",
+        "",
+        f"Prompts ({metrics['prompts']}): {d['train']['prompts']} for "
+        f"training ({kinds}), answered by the target ({d['train']['greedy']} greedily, the rest sampled at "
+        f"temperature {cfg.sample_temperature}; at most {cfg.max_new_tokens} new tokens): "
+        f"{d['train']['response_tokens']:,} response tokens. "
+        f"{d['heldout']['prompts']} held-out prompts (by a hash of their content) answered "
+        "greedily for the measurements below; no training step saw them.",
+        "",
+        "## Measured",
+        "",
+    ]
+    lines += _measured(h, h0)
+    lines += ["Acceptance in speculative decoding: not measured yet.", ""]
+    return "\n".join(lines)
+
+
+def _recipe(cfg: DistillConfig, init_layers, metrics: dict) -> list[str]:
+    """The model card's recipe: the draft's architecture, its loss, the optimiser and the run."""
+    return [
         (
             f"- draft: an EAGLE head (one decoder layer on the target's final hidden states and the "
             f"next token's embedding, Li et al. 2024), its layer initialised from target layer "
@@ -328,32 +375,21 @@ def model_card(name: str, cfg: DistillConfig, init_layers, metrics: dict) -> str
         f"gradient clip {cfg.grad_clip}, about {cfg.batch_tokens} padded tokens per step, seed {cfg.seed}",
         f"- {metrics['steps']} steps, {metrics['train_tokens']:,} tokens seen; time: data "
         f"{metrics['seconds']['data']:.0f} s, training {metrics['seconds']['train']:.0f} s",
+    ]
+
+
+def _measured(h: dict, h0: dict) -> list[str]:
+    """The model card's held-out measurements, before and after training."""
+    if not h:
+        return ["No held-out prompts: no measurement.", ""]
+    return [
+        "Held-out, teacher-forced, response positions (greedy responses):",
         "",
-        "## Data",
+        "| | top-1 agreement with the target | mean tokens accepted per 4-token draft |",
+        "|---|---|---|",
+        f"| before training | {h0['top1_agreement']:.3f} | {h0['mean_accepted_k4']:.2f} |",
+        f"| after training | {h['top1_agreement']:.3f} | {h['mean_accepted_k4']:.2f} |",
         "",
-        f"Prompts ({metrics['prompts']}): {d['train']['prompts']} for "
-        f"training ({kinds}), answered by the target ({d['train']['greedy']} greedily, the rest sampled at "
-        f"temperature {cfg.sample_temperature}; at most {cfg.max_new_tokens} new tokens): "
-        f"{d['train']['response_tokens']:,} response tokens. "
-        f"{d['heldout']['prompts']} held-out prompts (by a hash of their content) answered "
-        "greedily for the measurements below; no training step saw them.",
-        "",
-        "## Measured",
+        "By kind (after): " + ", ".join(f"{k} {v:.3f}" for k, v in h["by_kind"].items()) + ".",
         "",
     ]
-    if h:
-        lines += [
-            "Held-out, teacher-forced, response positions (greedy responses):",
-            "",
-            "| | top-1 agreement with the target | mean tokens accepted per 4-token draft |",
-            "|---|---|---|",
-            f"| before training | {h0['top1_agreement']:.3f} | {h0['mean_accepted_k4']:.2f} |",
-            f"| after training | {h['top1_agreement']:.3f} | {h['mean_accepted_k4']:.2f} |",
-            "",
-            "By kind (after): " + ", ".join(f"{k} {v:.3f}" for k, v in h["by_kind"].items()) + ".",
-            "",
-        ]
-    else:
-        lines += ["No held-out prompts: no measurement.", ""]
-    lines += ["Acceptance in speculative decoding: not measured yet.", ""]
-    return "\n".join(lines)

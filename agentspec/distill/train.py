@@ -306,17 +306,7 @@ def train(
         objective = LayersObjective(student, eval_examples, cfg, pad_id)
     params = trainable_parameters(student)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    state = load_checkpoint(folder, student, opt, cfg) if cfg.resume else None
-    if state is not None:
-        log(f"resuming from step {state.step} ({folder})")
-    else:
-        state = TrainState(total_steps=cfg.steps)
-        torch.manual_seed(cfg.seed)
-        t0 = time.perf_counter()
-        state.initial_eval = objective.evaluate()
-        state.eval_seconds = state.seconds = time.perf_counter() - t0
-    if cfg.steps is not None:
-        state.total_steps = cfg.steps
+    state = _start(student, opt, objective, cfg, folder, log)
     plan = BatchPlan([len(e.ids) for e in train_examples], cfg.batch_tokens, cfg.seed)
     student.train()
     bar = tqdm(
@@ -325,35 +315,26 @@ def train(
     step_times: list[float] = []  # this run's step times, the first one left out
     interval_loss: list[float] = []
     t_run, seconds_before = time.monotonic(), state.seconds  # state.seconds: wall time, all runs
-    first_step_done = False
+    first_step = state.step
     while state.total_steps is None or state.step < state.total_steps:
         mean_step = sum(step_times) / len(step_times) if step_times else 0.0
         if deadline is not None and time.monotonic() + mean_step + state.eval_seconds > deadline:
             log(f"time budget reached at step {state.step}")
             break
         t0 = time.perf_counter()
-        _, idx = plan.batch(state.step)
         lr = lr_at(state.step, state.total_steps, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss, n_tokens = objective.loss([train_examples[i] for i in idx])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss, n_tokens = _optimiser_step(
+            objective, opt, params, plan.batch(state.step)[1], train_examples, lr, cfg
+        )
         seconds = time.perf_counter() - t0
         state.step += 1
         state.seconds = seconds_before + time.monotonic() - t_run
         state.tokens += n_tokens
         interval_loss.append(loss.item())
-        if first_step_done:  # the first step of a run pays one-off costs
+        if state.step > first_step + 1:  # the first step of a run pays one-off costs
             step_times.append(seconds)
-        first_step_done = True
         if state.total_steps is None and len(step_times) >= MEASURE_STEPS and deadline is not None:
-            left = deadline - time.monotonic() - state.eval_seconds
-            typical = sorted(step_times)[len(step_times) // 2]  # the median: robust to a stall
-            state.total_steps = state.step + max(0, int(0.98 * left / typical))
-            bar.total = state.total_steps
+            state.total_steps = bar.total = _steps_that_fit(state, step_times, deadline)
             log(f"{state.total_steps} steps fit in the time budget")
         bar.update(1)
         bar.set_postfix(loss=f"{interval_loss[-1]:.3f}", lr=f"{lr:.1e}", tok_s=f"{n_tokens / seconds:.0f}")
@@ -369,3 +350,43 @@ def train(
     save_checkpoint(folder, student, opt, state, cfg)
     student.eval()
     return state
+
+
+def _start(
+    student, opt, objective, cfg: DistillConfig, folder: Path, log: Callable[[str], None]
+) -> TrainState:
+    """The state to train from: the last checkpoint when resuming, else a fresh one evaluated once.
+
+    A fixed ``cfg.steps`` is the total either way.
+    """
+    state = load_checkpoint(folder, student, opt, cfg) if cfg.resume else None
+    if state is not None:
+        log(f"resuming from step {state.step} ({folder})")
+    else:
+        state = TrainState(total_steps=cfg.steps)
+        torch.manual_seed(cfg.seed)
+        t0 = time.perf_counter()
+        state.initial_eval = objective.evaluate()
+        state.eval_seconds = state.seconds = time.perf_counter() - t0
+    if cfg.steps is not None:
+        state.total_steps = cfg.steps
+    return state
+
+
+def _optimiser_step(objective, opt, params, idx, examples: Sequence[Example], lr: float, cfg: DistillConfig):
+    """One AdamW step at ``lr`` on the examples at ``idx``; returns the batch's loss and token count."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss, n_tokens = objective.loss([examples[i] for i in idx])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, n_tokens
+
+
+def _steps_that_fit(state: TrainState, step_times: list[float], deadline: float) -> int:
+    """The run's total steps: those done and those that fit before ``deadline`` (one evaluation kept)."""
+    left = deadline - time.monotonic() - state.eval_seconds
+    typical = sorted(step_times)[len(step_times) // 2]  # the median: robust to a stall
+    return state.step + max(0, int(0.98 * left / typical))

@@ -66,36 +66,33 @@ class Instruments:
 
     def __init__(self, provider: Any):
         meter = provider.get_meter(SCOPE, _version())
-        hist = meter.create_histogram
-        self.duration = hist(
-            A.METRIC_OPERATION_DURATION,
-            unit="s",
-            description="Duration of a model call",
-            explicit_bucket_boundaries_advisory=A.DURATION_BUCKETS,
-        )
+
+        def hist(name: str, unit: str, description: str, buckets: Any) -> Any:
+            return meter.create_histogram(
+                name, unit=unit, description=description, explicit_bucket_boundaries_advisory=buckets
+            )
+
+        self.duration = hist(A.METRIC_OPERATION_DURATION, "s", "Duration of a model call", A.DURATION_BUCKETS)
         self.tokens = hist(
-            A.METRIC_TOKEN_USAGE,
-            unit="{token}",
-            description="Input and output tokens per call",
-            explicit_bucket_boundaries_advisory=A.TOKEN_BUCKETS,
+            A.METRIC_TOKEN_USAGE, "{token}", "Input and output tokens per call", A.TOKEN_BUCKETS
         )
         self.ttft = hist(
             A.METRIC_TIME_TO_FIRST_TOKEN,
-            unit="s",
-            description="Time to the first output token (prefix-cache restore included)",
-            explicit_bucket_boundaries_advisory=A.DURATION_BUCKETS,
+            "s",
+            "Time to the first output token (prefix-cache restore included)",
+            A.DURATION_BUCKETS,
         )
         self.tpot = hist(
             A.METRIC_TIME_PER_OUTPUT_TOKEN,
-            unit="s",
-            description="Decoding time per output token after the first",
-            explicit_bucket_boundaries_advisory=A.PER_TOKEN_BUCKETS,
+            "s",
+            "Decoding time per output token after the first",
+            A.PER_TOKEN_BUCKETS,
         )
         self.baseline = hist(
             A.METRIC_BASELINE_DURATION,
-            unit="s",
-            description="Estimated decoding time of the call with plain decoding and no prefix cache",
-            explicit_bucket_boundaries_advisory=A.DURATION_BUCKETS,
+            "s",
+            "Estimated decoding time of the call with plain decoding and no prefix cache",
+            A.DURATION_BUCKETS,
         )
         count = meter.create_counter
         self.draft = count(A.METRIC_DRAFT_TOKENS, unit="{token}", description="Draft tokens verified")
@@ -150,22 +147,11 @@ class Telemetry:
         model: str,
         config: GenerationConfig | None,
         prefix_cache: Any = True,
-        *,
-        streamed: bool,
-        parent: Any = None,
+        **where,
     ) -> CallTrace:
-        """The ``CallTrace`` of one call (arguments as ``CallTrace``'s)."""
+        """The ``CallTrace`` of one call; ``where`` is ``streamed=`` and ``parent=``, as ``CallTrace``'s."""
         tracer, instruments = self._resolved()
-        return CallTrace(
-            pair,
-            model,
-            config,
-            prefix_cache,
-            streamed=streamed,
-            parent=parent,
-            tracer=tracer,
-            instruments=instruments,
-        )
+        return CallTrace(pair, model, config, prefix_cache, tracer=tracer, instruments=instruments, **where)
 
 
 class CallTrace:

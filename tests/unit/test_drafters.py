@@ -260,18 +260,9 @@ def flat_memory() -> DraftMemory:
 
 
 @pytest.fixture(scope="module")
-def cases(one_thread, target, hf_greedy) -> list[tuple[list[int], list[int]]]:
+def cases(one_thread, target, greedy_cases) -> list[tuple[list[int], list[int]]]:
     """(prompt, greedy continuation): half repeat a pattern (suffix drafts), half are random."""
-    rng = random.Random(7)
-    out = []
-    for i in range(24):
-        if i % 2 == 0:
-            pattern = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
-            prompt = (pattern * 10)[: rng.randint(len(pattern) + 1, 40)]
-        else:
-            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
-        out.append((prompt, hf_greedy(target, prompt, N_NEW)))
-    return out
+    return greedy_cases(target, 24, N_NEW, every=2, seed=7)
 
 
 @pytest.fixture(scope="module")

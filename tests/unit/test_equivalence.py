@@ -29,21 +29,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def cases(one_thread, target, hf_greedy) -> list[tuple[list[int], list[int]]]:
+def cases(one_thread, target, greedy_cases) -> list[tuple[list[int], list[int]]]:
     """(prompt, the target's greedy continuation) for N_PROMPTS random prompts of 1-40 tokens.
 
     Every fifth prompt repeats a short pattern, so prompt lookup has something to find.
     """
-    rng = random.Random(0)
-    out = []
-    for i in range(N_PROMPTS):
-        if i % 5 == 0:
-            pattern = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
-            prompt = (pattern * 10)[: rng.randint(len(pattern) + 1, 40)]
-        else:
-            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
-        out.append((prompt, hf_greedy(target, prompt, N_NEW)))
-    return out
+    return greedy_cases(target, N_PROMPTS, N_NEW, every=5, seed=0)
 
 
 class ScriptedDrafter(Drafter):
@@ -194,6 +185,14 @@ def make_drafter(name, prompt, ref):
     return name
 
 
+def generate_with(pair, name, prompt, ref, k, max_new_tokens=N_NEW, **options):
+    """``agentspec.generate`` with the drafter ``make_drafter`` builds for ``name``."""
+    drafter = make_drafter(name, prompt, ref)
+    return agentspec.generate(
+        pair, prompt, drafter=drafter, max_new_tokens=max_new_tokens, num_draft_tokens=k, **options
+    )
+
+
 @pytest.mark.parametrize(("drafter", "k"), EOS_DRAFTERS)
 @pytest.mark.parametrize("where", ["first", "middle"])
 def test_eos_ends_generation_like_generate(pair, cases, hf_greedy, tokenizer, drafter, k, where):
@@ -201,14 +200,7 @@ def test_eos_ends_generation_like_generate(pair, cases, hf_greedy, tokenizer, dr
         eos = ref[0] if where == "first" else ref[N_NEW // 3]  # a token the target does generate
         want = hf_greedy(pair.target, prompt, N_NEW, eos_token_id=eos)
         assert want[-1] == eos and len(want) == ref.index(eos) + 1  # generate keeps the EOS
-        result = agentspec.generate(
-            pair,
-            prompt,
-            drafter=make_drafter(drafter, prompt, ref),
-            max_new_tokens=N_NEW,
-            num_draft_tokens=k,
-            eos_token_ids=frozenset({eos}),
-        )
+        result = generate_with(pair, drafter, prompt, ref, k, eos_token_ids=frozenset({eos}))
         assert result.token_ids == want, f"{prompt=} {eos=}"
         assert result.finish_reason == "stop"
         assert result.text == tokenizer.decode(want[:-1])  # the EOS is never text
@@ -233,13 +225,7 @@ def test_max_new_tokens(pair, cases, hf_greedy, drafter, k, max_new_tokens):
     for prompt, ref in cases[:8]:
         want = hf_greedy(pair.target, prompt, max_new_tokens)
         assert want == ref[:max_new_tokens]
-        result = agentspec.generate(
-            pair,
-            prompt,
-            drafter=make_drafter(drafter, prompt, ref),
-            max_new_tokens=max_new_tokens,
-            num_draft_tokens=k,
-        )
+        result = generate_with(pair, drafter, prompt, ref, k, max_new_tokens)
         assert result.token_ids == want, f"{prompt=}"
         assert result.finish_reason == "length"
         check_stats(result, k)
@@ -253,9 +239,7 @@ def test_generation_stops_at_the_end_of_the_context(pair, hf_greedy, drafter, k,
     pattern = [rng.randrange(VOCAB) for _ in range(7)]
     prompt = (pattern * 20)[: MAX_POSITIONS - room]
     want = hf_greedy(pair.target, prompt, room)
-    result = agentspec.generate(
-        pair, prompt, drafter=make_drafter(drafter, prompt, want), max_new_tokens=30, num_draft_tokens=k
-    )
+    result = generate_with(pair, drafter, prompt, want, k, max_new_tokens=30)
     assert result.token_ids == want
     assert result.finish_reason == "length"
 
