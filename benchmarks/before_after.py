@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", default=",".join(t.name for t in TRACES))
     ap.add_argument("--configs", default="none,prompt_lookup,suffix,model_scheduled,auto")
     ap.add_argument("--loop-max-new-tokens", type=int, default=16)
+    ap.add_argument("--loop-rounds", type=int, default=1, help="agent-loop jobs, the order flipping each")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/before_after.json"))
     args = ap.parse_args(argv)
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         "traces": {},
     }
     tmp = Path(tempfile.mkdtemp(prefix="before_after_"))
-    jobs = [("trace", t) for t in args.traces.split(",") if t] + [("loop", "agent_loop")]
+    jobs = [("trace", t) for t in args.traces.split(",") if t]
+    jobs += [("loop", f"agent_loop_{r}" if r else "agent_loop") for r in range(args.loop_rounds)]
     for j, (kind, name) in enumerate(jobs):
         order = ["before", "after"] if j % 2 == 0 else ["after", "before"]
         row: dict[str, Any] = {}
@@ -133,28 +135,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def ratio(before: float, after: float) -> dict[str, float]:
+    return {"before_s": before, "after_s": after, "before_over_after": before / after}
+
+
 def summary(result: dict[str, Any]) -> dict[str, Any]:
-    """Per configuration: decode seconds summed over the traces, before / after; the loop's totals."""
-    out: dict[str, Any] = {"agent_traces": {}}
-    configs = result["configs"].split(",")
-    for c in configs:
-        before = sum(r["before"]["configs"][c]["seconds"] for r in result["traces"].values())
-        after = sum(r["after"]["configs"][c]["seconds"] for r in result["traces"].values())
-        out["agent_traces"][c] = {"before_s": before, "after_s": after, "before_over_after": before / after}
-    out["identical"] = all(
-        r[s]["all_identical"] for r in result["traces"].values() for s in ("before", "after")
+    """Per configuration: decode seconds summed over the traces, before / after; per chat model of the
+    agent loop: seconds summed over its rounds."""
+    traces = list(result["traces"].values())
+    loops = [row for name, row in result.items() if name.startswith("agent_loop")]
+    out: dict[str, Any] = {"agent_traces": {}, "agent_loop": {}, "loop_rounds": len(loops)}
+    for c in result["configs"].split(",") if traces else []:
+        before = sum(r["before"]["configs"][c]["seconds"] for r in traces)
+        after = sum(r["after"]["configs"][c]["seconds"] for r in traces)
+        out["agent_traces"][c] = ratio(before, after)
+    for system in loops[0]["after"]["total_seconds"] if loops else []:
+        before = sum(r["before"]["total_seconds"][system] for r in loops)
+        after = sum(r["after"]["total_seconds"][system] for r in loops)
+        out["agent_loop"][system] = ratio(before, after)
+    out["identical"] = all(r[s]["all_identical"] for r in traces for s in ("before", "after")) and all(
+        r[s]["full_equals_baseline"] for r in loops for s in ("before", "after")
     )
-    loop = result.get("agent_loop")
-    if loop:
-        out["agent_loop"] = {
-            system: {
-                "before_s": loop["before"]["total_seconds"][system],
-                "after_s": loop["after"]["total_seconds"][system],
-                "before_over_after": loop["before"]["total_seconds"][system]
-                / loop["after"]["total_seconds"][system],
-            }
-            for system in loop["after"]["total_seconds"]
-        }
     return out
 
 
