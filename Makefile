@@ -14,7 +14,7 @@ lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# the default suite: everything but tests marked slow (about 14 minutes on 2 cores)
+# the default suite: everything but tests marked slow (about 5 minutes on 2 cores)
 test: setup lint
 	$(BIN)/python -m pytest -m "not slow"
 
