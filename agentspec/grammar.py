@@ -359,10 +359,15 @@ class Constraint:
         assert not self.path, "forced() reads the committed state"
         if self.matcher.is_terminated():
             return None
-        allowed = self.allowed()
-        if int(allowed.sum()) != 1:
+        words = self.bitmask() & self._real  # packed, read as is: no [V] bool row per pass
+        set_words = words.nonzero()
+        if len(set_words) != 1:
             return None
-        return int(allowed.nonzero()[0, 0])
+        i = int(set_words[0, 0])
+        word = int(words[i]) & 0xFFFFFFFF  # the int32 word's 32 bits, bit 31 included
+        if word & (word - 1):  # more than one bit: more than one token
+            return None
+        return 32 * i + word.bit_length() - 1
 
     def take_forced(self, limit: int) -> list[int]:
         """Commit the run of tokens the grammar alone allows next (at most ``limit``) and return it."""

@@ -353,3 +353,17 @@ def test_constrained_sampling_is_lossless(spair, drafter, temperature, n):
     )
     assert 0 < accepted < drafted, report
     assert p_value > 1e-3, report
+
+
+@pytest.mark.parametrize("source", [LIST, FORCED])
+def test_forced_reads_the_packed_mask_as_the_bool_mask_does(gpair, source):
+    """``forced()`` (bits of the packed mask) names the one allowed token exactly when ``allowed()`` has
+    one, along every branch of a short walk through the grammar (first and last tokens allowed)."""
+    c = G.Constraint.for_pair(gpair, G.ebnf(source))
+    for step in range(12):
+        allowed = c.allowed().nonzero().flatten().tolist()
+        assert c.forced() == (allowed[0] if len(allowed) == 1 else None), (step, allowed)
+        if not allowed or c.terminated:
+            break
+        c.push(allowed[step % len(allowed)])
+        c.commit(1)
