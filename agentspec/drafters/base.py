@@ -111,6 +111,9 @@ class Adopted(Drafter):
     def __init__(self, inner: DrafterLike):
         self.inner = inner
         self.name = inner.name
+        # the earlier Protocol documented draft_cap as optional: the one attribute read off a foreign
+        # object, here at the boundary, so the loop itself reads only declared members
+        self.draft_cap = getattr(inner, "draft_cap", None)
 
     def propose(self, seq, k, config, generator, constraint=None) -> Draft:
         return self.inner.propose(seq, k, config, generator)

@@ -368,6 +368,10 @@ def test_a_drafter_to_the_earlier_protocol_still_works(pair, cases):
         r = agentspec.generate(pair, prompt, own, max_new_tokens=N_NEW)
         assert r.token_ids == ref and r.stats.drafter == "earlier" and r.stats.draft_failures == 0
         assert own.feedbacks == r.stats.verify_steps, (own.feedbacks, r.stats)
+    capped = EarlierStyleDrafter()
+    capped.draft_cap = 1  # the earlier Protocol's optional cap is still honoured
+    r = agentspec.generate(pair, cases[0][0], capped, max_new_tokens=N_NEW)
+    assert r.token_ids == cases[0][1] and r.stats.draft_tokens <= r.stats.verify_steps, r.stats
 
 
 def test_an_object_that_is_not_a_drafter_is_refused(pair):
