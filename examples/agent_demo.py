@@ -1,48 +1,50 @@
-"""A LangChain agent on ChatSpecDecode: speculative decoding + prefix reuse against the plain baseline.
+"""A LangChain agent on ChatSpecDecode: right answers, and how much faster than plain decoding.
 
 Run it (a few minutes on 2 CPU cores; the embedded model is fetched on first use):
 
-    .venv/bin/python examples/agent_demo.py [--max-tokens 64] [--tasks 2] [--threads 1]
+    .venv/bin/python examples/agent_demo.py [--tasks 6] [--threads 1] [--json results.json]
         [--otlp-endpoint http://127.0.0.1:6006]
 
-A ``langchain.agents.create_agent`` agent with two real Python tools (they read a release log and an
-issue tracker from this file) answers questions about a software project, on the embedded
-SmolLM2-135M-Instruct. Every model call prints its latency, the tokens it generated, how many of
-them were draft tokens the target accepted, and how many prompt tokens came from the prefix cache.
-The same agent then runs again with ``speculative=False, prefix_cache=False`` (the same model and
-the same decoding loop, no drafts, no reuse) and the script prints the end-to-end speed-up and
-whether every answer was identical (greedy decoding is lossless: it must be).
+A ``langchain.agents.create_agent`` agent answers a maintainer's questions about a software project,
+Harbor, on the embedded SmolLM2-135M-Instruct. It has two real tools (they read a release log and an
+issue tracker held in this file, as JSON records) and answers with a structured reply (a pydantic
+model): each question is one conversation (a LangGraph thread with a checkpointer) of two model
+calls, a tool call and the answer. The same agent then runs again on
+``ChatSpecDecode(speculative=False, prefix_cache=False)`` (the same model and decoding loop, no drafts,
+no reuse) and the script prints:
 
-Every model call is traced with OpenTelemetry (``agentspec.telemetry``): after the run, a table built
-from the spans (kept in memory) shows each call's latency, the time agentspec estimates it saved
-against plain decoding without cache, accepted/drafted tokens and prompt tokens read from the cache,
-and the end-to-end total saved next to the measured difference between the two runs.
+- each answer, checked against the record its tool returned (a wrong answer is printed as WRONG and
+  the script exits with status 1);
+- the end-to-end speed-up, and whether every reply of the two runs was identical (greedy decoding is
+  lossless: it must be);
+- a table built from the OpenTelemetry spans of every model call (kept in memory): latency, the time
+  agentspec estimates it saved against plain decoding without cache, accepted/drafted tokens and prompt
+  tokens read from the prefix cache.
+
 ``--otlp-endpoint`` also exports the spans over OTLP/HTTP (to Arize Phoenix, say: see
 ``examples/phoenix_trace.py``), with the agent's own steps traced by OpenInference when
 ``openinference-instrumentation-langchain`` is installed.
-
-Tool choice is scripted: the 135M model cannot yet pick tools and fill their arguments on its own
-(the grammar-constrained decoding issue addresses that), so a middleware sets ``tool_choice`` per
-model call (first the release log, then the issues, then "none" for the answer). Both tools take no
-arguments, so the forced call is complete and everything else is the model's own output. Expect
-poor answers from a 135M model (it tends to echo the tool output's markup and loop); what this
-shows is the cost of each call, and that the fast path does not change a single token.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from typing import Annotated, Literal
 
 import torch
 from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware
-from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pydantic import BaseModel, Field
 
 import agentspec
 from agentspec.telemetry import attributes as A
@@ -50,65 +52,146 @@ from agentspec.telemetry import calibrate
 from langchain_agentspec import ChatSpecDecode
 
 SYSTEM = """You are the release assistant of the Harbor project, a job scheduler written in Python.
-You answer questions from maintainers about releases and open issues. Rules:
-- Use the tools to read the release log and the issue tracker before answering.
-- Quote version numbers, issue numbers and titles exactly as the tools return them.
-- Keep answers short: a few sentences or a short list. Do not invent issues or releases.
-- If the tools do not contain the answer, say that you do not know."""
+You answer questions from maintainers about releases and issues. Rules:
+- Look up the release or the issue asked about with a tool before answering.
+- Answer from the tool's result only: copy versions, dates, numbers and names exactly as it gives them.
+- If the tool does not know the release or issue, say so; never invent one."""
 
-RELEASE_LOG = """Harbor release log
-- v2.4.0 (2025-03-02): added cron expressions with seconds; retry policies per job; the web
-  dashboard shows queue depth per worker. Fixed a crash when a job returned None.
-- v2.3.1 (2025-01-20): fixed the scheduler skipping jobs after a daylight-saving change; fixed
-  duplicate notifications when a worker restarted.
-- v2.3.0 (2024-12-05): added job priorities (low, normal, high); added a Prometheus exporter;
-  dropped support for Python 3.8."""
-
-ISSUES = """Harbor open issues
-- #412 (bug, high): jobs with priority high starve low-priority jobs under load.
-- #407 (bug, normal): the Prometheus exporter reports queue depth as a float.
-- #398 (feature, normal): pause and resume a single worker from the dashboard.
-- #391 (bug, low): the cron parser accepts 61 as a seconds value."""
-
-
-@tool
-def read_release_log() -> str:
-    """Read the Harbor release log: versions, dates, features and fixes."""
-    return RELEASE_LOG
-
-
-@tool
-def read_open_issues() -> str:
-    """Read the open issues of Harbor: number, kind, priority and title."""
-    return ISSUES
-
-
-TASKS = [
-    "What changed in the latest release, and which open bugs have high priority?",
-    "Which release added job priorities, and what open issue is about priorities?",
+RELEASES = [
+    {
+        "version": "v2.4.0",
+        "date": "2025-03-02",
+        "changes": "added cron expressions with seconds and retry policies per job; fixed a crash when a "
+        "job returned None",
+    },
+    {
+        "version": "v2.3.1",
+        "date": "2025-01-20",
+        "changes": "fixed the scheduler skipping jobs after a daylight-saving change",
+    },
+    {
+        "version": "v2.3.0",
+        "date": "2024-12-05",
+        "changes": "added job priorities and a Prometheus exporter; dropped Python 3.8",
+    },
 ]
-PLAN = ["read_release_log", "read_open_issues", "none"]  # tool_choice for model calls 1, 2, 3
+ISSUES = [
+    {
+        "number": 412,
+        "kind": "bug",
+        "priority": "high",
+        "assignee": "Dana",
+        "title": "high-priority jobs starve low-priority jobs under load",
+    },
+    {
+        "number": 407,
+        "kind": "bug",
+        "priority": "normal",
+        "assignee": "Omar",
+        "title": "the Prometheus exporter reports queue depth as a float",
+    },
+    {
+        "number": 398,
+        "kind": "feature",
+        "priority": "low",
+        "assignee": "Lena",
+        "title": "pause and resume a single worker from the dashboard",
+    },
+]
+
+# The tool's argument schema is also a grammar: a version can only be written as one
+VersionNumber = Annotated[str, Field(pattern=r"^v?[0-9]+[.][0-9]+[.][0-9]+$")]
 
 
-class ScriptAndMeter(AgentMiddleware):
-    """Sets each model call's tool_choice from PLAN and records what the call cost."""
+@tool
+def read_release_notes(version: VersionNumber) -> str:
+    """Read the notes of one Harbor release (its date and changes), by version number."""
+    wanted = "v" + version.removeprefix("v")
+    found = [r for r in RELEASES if r["version"] == wanted]
+    if not found:
+        return f"no release {version}; the releases are " + ", ".join(r["version"] for r in RELEASES)
+    return json.dumps(found[0])
+
+
+@tool
+def read_issue(number: int) -> str:
+    """Read one issue of the Harbor tracker (its priority and assignee), by issue number."""
+    found = [i for i in ISSUES if i["number"] == number]
+    return json.dumps(found[0]) if found else f"no issue #{number}"
+
+
+class ReleaseAnswer(BaseModel):
+    """When a release came out."""
+
+    version: str = Field(pattern=r"^v[0-9]+[.][0-9]+[.][0-9]+$")
+    date: str = Field(pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")
+
+
+class IssueAnswer(BaseModel):
+    """Who handles an issue, and how urgent it is."""
+
+    number: int
+    priority: Literal["low", "normal", "high"]
+    assignee: str = Field(max_length=20)
+
+
+ANSWER_FORMAT = {"read_release_notes": ReleaseAnswer, "read_issue": IssueAnswer}
+
+# each question and what it is about: the record its answer must come from
+TASKS = [
+    ("When was release v2.3.1 published?", "v2.3.1"),
+    ("Who is assigned to issue #407?", 407),
+    ("What is the priority of issue #412?", 412),
+    ("When did release v2.3.0 come out?", "v2.3.0"),
+    ("Who works on issue #398?", 398),
+    ("When was release v2.4.0 published?", "v2.4.0"),
+]
+
+
+def tools_called(messages: list) -> list[str]:
+    """The names of the tools the agent called so far in this conversation."""
+    return [c["name"] for m in messages if isinstance(m, AIMessage) for c in m.tool_calls]
+
+
+class LookUpThenAnswer(AgentMiddleware):
+    """Each question gets one tool call, then a structured answer in the format of that tool's facts.
+
+    Why steer: a 135M model does not reliably decide by itself whether to call a tool or to stop, so
+    each model call is told which kind of reply it makes, through LangChain's ``wrap_model_call`` and
+    ``ModelRequest.override``. Which tool, its arguments and every field of the answer are the
+    model's own, constrained by the tool's and the answer's JSON schemas.
+    """
+
+    def wrap_model_call(self, request, handler):
+        called = tools_called(request.messages)
+        if not called:  # look it up: exactly one tool call, no answer format yet
+            settings = {**request.model_settings, "parallel_tool_calls": False}
+            return handler(
+                request.override(tool_choice="required", response_format=None, model_settings=settings)
+            )
+        # answer: create_agent binds the format as the model's response_format (its provider strategy,
+        # ChatSpecDecode's JSON being constrained by a grammar); that binding ignores the request's
+        # tool_choice, so "no more tool calls" goes in through model_settings
+        settings = {**request.model_settings, "tool_choice": "none"}
+        return handler(request.override(response_format=ANSWER_FORMAT[called[-1]], model_settings=settings))
+
+
+class Meter(AgentMiddleware):
+    """Records what each model call cost, from the reply's usage and speculative metadata."""
 
     def __init__(self, label: str):
         super().__init__()
         self.label = label
         self.calls: list[dict] = []
-        self.n = 0  # model calls in the current task
 
     def wrap_model_call(self, request, handler):
-        choice = PLAN[min(self.n, len(PLAN) - 1)]
-        self.n += 1
         start = time.perf_counter()
-        response = handler(request.override(tool_choice=choice))
+        response = handler(request)
         seconds = time.perf_counter() - start
         message = next(m for m in response.result if isinstance(m, AIMessage))
         usage, spec = message.usage_metadata, message.response_metadata["speculative"]
         row = {
-            "seconds": seconds,
+            "seconds": round(seconds, 3),
             "prompt": usage["input_tokens"],
             "cached": usage["input_token_details"].get("cache_read", 0),
             "output": usage["output_tokens"],
@@ -117,7 +200,7 @@ class ScriptAndMeter(AgentMiddleware):
         }
         self.calls.append(row)
         print(
-            f"  [{self.label}] call {len(self.calls):2d} {row['what']:<17} {seconds:6.2f} s  "
+            f"  [{self.label}] call {len(self.calls):2d} {row['what']:<18} {seconds:6.2f} s  "
             f"prompt {row['prompt']:4d} (cache {row['cached']:4d})  out {row['output']:3d} "
             f"(accepted drafts {row['accepted']:3d})",
             flush=True,
@@ -125,17 +208,60 @@ class ScriptAndMeter(AgentMiddleware):
         return response
 
 
-def run(llm: ChatSpecDecode, label: str, tasks: list[str]) -> tuple[float, list[str], ScriptAndMeter]:
-    meter = ScriptAndMeter(label)
-    tools = [read_release_log, read_open_issues]
-    agent = create_agent(llm, tools=tools, system_prompt=SYSTEM, middleware=[meter])
-    answers = []
+def run(llm: ChatSpecDecode, label: str, tasks: list) -> tuple[float, list[dict], Meter]:
+    """Every question as a conversation of its own (a thread: its spans carry the thread id)."""
+    meter = Meter(label)
+    agent = create_agent(
+        llm,
+        tools=[read_release_notes, read_issue],
+        system_prompt=SYSTEM,
+        middleware=[LookUpThenAnswer(), meter],
+        checkpointer=InMemorySaver(),
+    )
+    states = []
     start = time.perf_counter()
-    for task in tasks:
-        meter.n = 0
-        out = agent.invoke({"messages": [HumanMessage(task)]})
-        answers.append(out["messages"][-1].content)
-    return time.perf_counter() - start, answers, meter
+    for i, (question, _) in enumerate(tasks):
+        config = {"configurable": {"thread_id": f"{label}-{i + 1}"}}
+        states.append(agent.invoke({"messages": [HumanMessage(question)]}, config))
+    return time.perf_counter() - start, states, meter
+
+
+def check(subject: str | int, state: dict) -> tuple[bool, str]:
+    """Whether the agent's answer states what its tool returned about ``subject``, and a line saying so."""
+    key = "version" if isinstance(subject, str) else "number"
+    results = [m.content for m in state["messages"] if isinstance(m, ToolMessage)]
+    records = [json.loads(r) for r in results if r.startswith("{")]
+    record = next((r for r in records if r.get(key) == subject), None)
+    if record is None:
+        return False, f"WRONG: no tool result about {subject} (the tools returned {results})"
+    answer = state.get("structured_response")
+    if answer is None:
+        return False, "WRONG: no structured answer"
+    wrong = [
+        f"{k}={v!r}, the tool said {record.get(k)!r}"
+        for k, v in answer.model_dump().items()
+        if v != record.get(k)
+    ]
+    if wrong:
+        return False, "WRONG: " + "; ".join(wrong)
+    return True, "right (every field as the tool returned it)"
+
+
+def describe(answer: BaseModel | None) -> str:
+    if isinstance(answer, ReleaseAnswer):
+        return f"{answer.version} was released on {answer.date}."
+    if isinstance(answer, IssueAnswer):
+        return f"#{answer.number} is assigned to {answer.assignee}, priority {answer.priority}."
+    return "(no answer)"
+
+
+def replies(state: dict) -> list:
+    """The model's replies in a conversation (tool call ids are random: left out)."""
+    return [
+        (m.content, [(c["name"], c["args"]) for c in m.tool_calls])
+        for m in state["messages"]
+        if isinstance(m, AIMessage)
+    ]
 
 
 def tracing(otlp_endpoint: str | None = None) -> tuple[TracerProvider, InMemorySpanExporter]:
@@ -171,7 +297,7 @@ def call_spans(memory: InMemorySpanExporter) -> list:
 def call_table(spans: list, whats: list[str] | None = None) -> str:
     """Per-call latency, estimated latency saved, accepted/drafted tokens and cache reads, from spans."""
     lines = [
-        f"{'call':>4}  {'what':<17} {'latency':>8} {'saved':>8}  {'accepted/drafted':>16}  "
+        f"{'call':>4}  {'what':<18} {'latency':>8} {'saved':>8}  {'accepted/drafted':>16}  "
         f"{'cache read/prompt':>17}  {'out':>4}"
     ]
     for i, span in enumerate(spans):
@@ -181,19 +307,19 @@ def call_table(spans: list, whats: list[str] | None = None) -> str:
         drafts = f"{a.get(A.ACCEPTED_TOKENS, 0)}/{a.get(A.DRAFT_TOKENS, 0)}"
         cache = f"{a.get(A.USAGE_CACHE_READ_INPUT_TOKENS, 0)}/{a.get(A.USAGE_INPUT_TOKENS, 0)}"
         lines.append(
-            f"{i + 1:4d}  {what:<17} {latency:7.2f}s {a.get(A.LATENCY_SAVED, 0.0):+7.2f}s  {drafts:>16}  "
+            f"{i + 1:4d}  {what:<18} {latency:7.2f}s {a.get(A.LATENCY_SAVED, 0.0):+7.2f}s  {drafts:>16}  "
             f"{cache:>17}  {a.get(A.USAGE_OUTPUT_TOKENS, 0):4d}"
         )
     total = sum((s.end_time - s.start_time) / 1e9 for s in spans)
     saved = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans)
-    lines.append(f"{'all':>4}  {'':<17} {total:7.2f}s {saved:+7.2f}s")
+    lines.append(f"{'all':>4}  {'':<18} {total:7.2f}s {saved:+7.2f}s")
     return "\n".join(lines)
 
 
-def main() -> None:
+def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=64, help="cap on each answer's tokens")
     parser.add_argument("--tasks", type=int, default=len(TASKS), choices=range(1, len(TASKS) + 1))
+    parser.add_argument("--max-tokens", type=int, default=64, help="cap on each reply's tokens")
     parser.add_argument(
         "--threads",
         type=int,
@@ -201,17 +327,24 @@ def main() -> None:
         help="torch CPU threads (default 1: batch-1 decoding of a 135M model gains little from more, "
         "and on a busy machine two threads spin against each other and time both runs badly)",
     )
+    parser.add_argument("--json", metavar="PATH", help="also write the figures printed here to PATH")
     parser.add_argument(
         "--otlp-endpoint",
         metavar="URL",
         help="also export the spans over OTLP/HTTP to URL/v1/traces (e.g. a Phoenix at http://127.0.0.1:6006)",
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The demo; 0 when every answer is right and both runs replied the same, else 1."""
+    args = arguments(argv)
     torch.set_num_threads(args.threads)
     tasks = TASKS[: args.tasks]
-
     pair = agentspec.load_pair()  # both agents share these weights
-    print(f"model: {pair.name} on {pair.device}, {len(tasks)} task(s), answers capped at {args.max_tokens}")
+    print(
+        f"model: {pair.name} on {pair.device}, {len(tasks)} question(s), replies capped at {args.max_tokens}"
+    )
     provider, memory = tracing(args.otlp_endpoint)
     calibrate(pair)  # fit the latency-saved estimate up front (tracing alone starts from a prior)
     # first-call costs
@@ -219,39 +352,59 @@ def main() -> None:
     memory.clear()
 
     traced = {"pair": pair, "max_tokens": args.max_tokens, "tracer_provider": provider}
-    fast = ChatSpecDecode(**traced)  # prompt-lookup drafts + prefix cache
-    base = ChatSpecDecode(**traced, speculative=False, prefix_cache=False)
     print("\nChatSpecDecode() (speculative, prefix cache):")
-    t_fast, answers_fast, m_fast = run(fast, "spec", tasks)
-    spans_fast = call_spans(memory)
+    t_fast, states, m_fast = run(ChatSpecDecode(**traced), "agentspec", tasks)
+    spans = call_spans(memory)
     memory.clear()
     print("\nChatSpecDecode(speculative=False, prefix_cache=False):")
-    t_base, answers_base, m_base = run(base, "base", tasks)
+    t_base, states_base, _ = run(
+        ChatSpecDecode(**traced, speculative=False, prefix_cache=False), "plain", tasks
+    )
     spans_base = call_spans(memory)
+    provider.shutdown()  # flushes the OTLP export, if any
 
-    for task, answer in zip(tasks, answers_fast):
-        print(f"\nQ: {task}\nA: {answer.strip()}")
-    total = lambda m, key: sum(c[key] for c in m.calls)  # noqa: E731
+    checks = [check(subject, state) for (_, subject), state in zip(tasks, states)]
+    for (question, _), state, (_, verdict) in zip(tasks, states, checks):
+        print(f"\nQ: {question}\nA: {describe(state.get('structured_response'))}  [{verdict}]")
+    right = sum(ok for ok, _ in checks)
+    same = [replies(s) for s in states] == [replies(s) for s in states_base]
     print(
-        f"\nend to end: {t_base:.1f} s plain -> {t_fast:.1f} s with agentspec "
-        f"= {t_base / t_fast:.2f}x speed-up; same answers: {answers_fast == answers_base}"
+        f"\n{right}/{len(tasks)} answers right; end to end: {t_base:.1f} s plain -> {t_fast:.1f} s with "
+        f"agentspec = {t_base / t_fast:.2f}x speed-up; the two runs replied the same: {same}"
     )
+    total = lambda key: sum(c[key] for c in m_fast.calls)  # noqa: E731
     print(
-        f"prompt tokens {total(m_fast, 'prompt')}, read from the cache {total(m_fast, 'cached')}; "
-        f"output tokens {total(m_fast, 'output')}, of which accepted drafts {total(m_fast, 'accepted')}"
+        f"prompt tokens {total('prompt')}, read from the cache {total('cached')}; "
+        f"output tokens {total('output')}, of which accepted drafts {total('accepted')}"
     )
-
     print("\nper call, from the OpenTelemetry spans of the agentspec run (saved: estimated against plain")
     print("decoding without cache; see agentspec/telemetry/latency.py):")
-    print(call_table(spans_fast, [c["what"] for c in m_fast.calls]))
-    saved = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans_fast)
+    print(call_table(spans, [c["what"] for c in m_fast.calls]))
+    saved = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans)
     own = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans_base)
     print(
         f"total saved, estimated call by call: {saved:.1f} s; measured (plain run - agentspec run): "
         f"{t_base - t_fast:.1f} s. The plain run's estimate of its own saving: {own:+.1f} s (ideally 0)"
     )
-    provider.shutdown()  # flushes the OTLP export, if any
+    if args.json:
+        figures = {
+            "model": pair.name,
+            "device": str(pair.device),
+            "threads": args.threads,
+            "questions": [q for q, _ in tasks],
+            "answers": [describe(s.get("structured_response")) for s in states],
+            "right": right,
+            "same_replies": same,
+            "agentspec_s": round(t_fast, 3),
+            "plain_s": round(t_base, 3),
+            "speedup": round(t_base / t_fast, 3),
+            "saved_estimated_s": round(saved, 3),
+            "calls": m_fast.calls,
+        }
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    return 0 if right == len(tasks) and same else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
