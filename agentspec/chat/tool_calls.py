@@ -194,7 +194,7 @@ class ToolCallSplitter:
             if self.state == "text":
                 if self.after_call:  # whitespace after a block is dropped
                     self.buf = self.buf.lstrip()
-                    if not self.buf:
+                    if OPEN.startswith(self.buf):  # nothing yet, or maybe the next block's tag
                         return events
                     self.after_call = False
                 i = self.buf.find(OPEN)
@@ -224,7 +224,12 @@ class ToolCallSplitter:
         elif self.state == "call":
             events += parse_block(self.buf, self.names, closed=False)
         elif self.after_call:
-            self._text(events, self.buf.lstrip())
+            rest = self.buf.lstrip()
+            # a reply cut (by its token cap) inside the next call's opening tag: the tag prefix names no
+            # tool and holds no arguments, so there is no call to report, and it is markup, not content
+            # (the finish reason "length" tells the caller the reply was cut)
+            if not OPEN.startswith(rest):
+                self._text(events, rest)
         else:
             self._text(events, self.buf)
         self.buf = ""

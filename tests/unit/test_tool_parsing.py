@@ -229,3 +229,13 @@ def test_a_block_cut_inside_its_closing_tag_keeps_its_complete_call():
         assert [(c["name"], c["args"]) for c in out.tool_calls] == [("square", {"x": 3})], cut
     out = parse_tool_calls('<tool_call>\n{"name": "square", "arguments": {"x": 3', {"square"})
     assert not out.tool_calls and out.invalid_tool_calls  # the JSON itself is cut: invalid
+
+
+def test_a_reply_cut_inside_the_next_calls_opening_tag_has_no_markup_in_its_content():
+    call = '<tool_call>\n{"name": "square", "arguments": {"x": 3}}\n</tool_call>'
+    for cut in ["\n<tool_call", "\n<tool", "\n<", " <tool_ca"]:
+        out = parse_tool_calls(call + cut, {"square"})
+        assert out.content == "" and not out.invalid_tool_calls, (cut, out)
+        assert [(c["name"], c["args"]) for c in out.tool_calls] == [("square", {"x": 3})], cut
+    # text after a call that is not a tag prefix stays content
+    assert parse_tool_calls(call + "\nDone <3", {"square"}).content == "Done <3"
