@@ -491,9 +491,13 @@ class ChatSpecDecode(BaseChatModel):
             prefill=self._prefill(messages, tools, tool_choice),
         )
         room = pair.max_context - len(request.prompt.ids)
+        # one wanted call: the reply ends at its closing tag, in the core, so every mode keeps the
+        # same tokens (a verify pass may accept the end-of-turn token after the tag, a plain pass
+        # would not have made it) and the usage, the span and the saved prefix agree on them
+        single = (_engine.engine().chat.tool_calls.CLOSE,) if request.single else ()
         config = dataclasses.replace(
             config,
-            stop=config.stop + request.stop,
+            stop=config.stop + request.stop + single,
             max_new_tokens=max(1, min(config.max_new_tokens, room)),
         )
         prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
