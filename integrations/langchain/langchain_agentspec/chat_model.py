@@ -36,7 +36,7 @@ from langchain_core.language_models.chat_models import LangSmithParams, generate
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough, ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -680,7 +680,11 @@ class ChatSpecDecode(BaseChatModel):
 
         The span's parent is the current span, or the span a LangChain tracer opened for this run
         when it has one (OpenInference's ``get_span(run_id)``: it does not make its spans current).
-        Its ``gen_ai.conversation.id`` is the run's thread or session id (``conversation``).
+        Its ``gen_ai.conversation.id`` is the run's thread or session id (``conversation``), read
+        from the run manager's metadata; LangChain streams (``stream``, and an invoke it streams for
+        a LangGraph ``stream_mode="messages"``) hand ``_stream`` no run manager, and then the
+        metadata is the config LangChain keeps in context (a LangGraph node's: the thread is
+        there; a bare ``llm.stream(config=...)`` leaves none).
         """
         from opentelemetry import trace as otel_trace
 
@@ -696,7 +700,9 @@ class ChatSpecDecode(BaseChatModel):
             call.prefix_cache if call is not None else True,
             streamed=streamed,
             parent=parent,
-            conversation_id=conversation_id(run_manager.metadata if run_manager is not None else None),
+            conversation_id=conversation_id(
+                run_manager.metadata if run_manager is not None else ensure_config().get("metadata")
+            ),
             response_id=response_id,
             request=call.request if call is not None else None,
         )
