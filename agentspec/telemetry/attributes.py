@@ -53,6 +53,8 @@ REQUEST_STREAM = "gen_ai.request.stream"  # True: the caller received chunks; ab
 CONVERSATION_ID = "gen_ai.conversation.id"  # the caller's thread / session id, when it has one
 OUTPUT_TYPE = "gen_ai.output.type"  # "json" under a response_format, "text" otherwise
 RESPONSE_ID = "gen_ai.response.id"  # one per call; the LangChain reply's response_metadata["id"]
+# streamed calls: from the call's start to the first pass that released text or finished
+RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 RESPONSE_MODEL = "gen_ai.response.model"
 RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
@@ -255,15 +257,17 @@ def input_content_attributes(messages: Sequence[dict], tools: Sequence[dict]) ->
     history = [{"role": m["role"], "parts": message_parts(m, i)} for i, m in enumerate(messages) if i >= lead]
     attrs[INPUT_MESSAGES] = _json(history)
     if tools:
-        definitions = [
-            {
-                "type": "function",
-                **{k: t["function"][k] for k in ("name", "description", "parameters") if k in t["function"]},
-            }
-            for t in tools
-        ]
-        attrs[TOOL_DEFINITIONS] = _json(definitions)
+        attrs[TOOL_DEFINITIONS] = _json([tool_definition(t) for t in tools])
     return attrs
+
+
+def tool_definition(tool: dict) -> dict[str, Any]:
+    """An OpenAI-format tool as the conventions define one: its function's fields, flattened."""
+    function = tool["function"]
+    return {
+        "type": "function",
+        **{k: function[k] for k in ("name", "description", "parameters") if k in function},
+    }
 
 
 def output_content_attributes(
@@ -272,6 +276,7 @@ def output_content_attributes(
     """``gen_ai.output.messages``: the one reply, its text and its (OpenAI-format) tool calls as parsed."""
     parts: list[dict[str, Any]] = [{"type": "text", "content": text}] if text else []
     parts += [_call_part(call) for call in tool_calls]
+    # no finish reason: the caller stopped reading, or decoding failed; the conventions say "error"
     message = {"role": "assistant", "parts": parts, "finish_reason": finish_reason or "error"}
     return {OUTPUT_MESSAGES: _json([message])}
 
@@ -315,10 +320,17 @@ def source_attributes(stats: DecodeStats) -> dict[str, Any]:
 
 
 def timing_attributes(
-    ttft_s: float | None, decode_s: float, baseline_s: float | None, cost_source: str | None = None
+    ttft_s: float | None,
+    decode_s: float,
+    baseline_s: float | None,
+    cost_source: str | None = None,
+    first_chunk_s: float | None = None,
 ) -> dict[str, Any]:
-    """Measured times, and the estimate when there is one (saved = baseline - decode) with its source."""
+    """Measured times, and the estimate when there is one (saved = baseline - decode) with its source;
+    ``first_chunk_s`` only for a streamed call."""
     attrs: dict[str, Any] = {DECODE_TIME: decode_s}
+    if first_chunk_s is not None:
+        attrs[RESPONSE_TIME_TO_FIRST_CHUNK] = first_chunk_s
     if ttft_s is not None:
         attrs[TIME_TO_FIRST_TOKEN] = ttft_s
     if baseline_s is not None:

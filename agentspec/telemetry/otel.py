@@ -347,7 +347,8 @@ class CallTrace:
             if stats is not None:
                 attrs.update(A.response_attributes(self.model, stats, self.response_id, self.latest))
                 attrs.update(A.speculation_attributes(stats))
-                attrs.update(A.timing_attributes(self.ttft_s, self.decode_s, baseline, source))
+                first_chunk = self.first_chunk_s if self.streamed else None
+                attrs.update(A.timing_attributes(self.ttft_s, self.decode_s, baseline, source, first_chunk))
             if self.capture and self.output is not None:
                 reason = stats.finish_reason if stats is not None else None
                 attrs.update(A.output_content_attributes(*self.output, reason))

@@ -122,6 +122,9 @@ def test_request_stream_set_only_when_streaming(chat_pair, otel):
     list(llm.stream("hi"))
     invoked, streamed = exporter.get_finished_spans()
     assert A.REQUEST_STREAM not in invoked.attributes and streamed.attributes[A.REQUEST_STREAM] is True
+    assert A.RESPONSE_TIME_TO_FIRST_CHUNK not in invoked.attributes
+    duration = (streamed.end_time - streamed.start_time) / 1e9
+    assert 0 < streamed.attributes[A.RESPONSE_TIME_TO_FIRST_CHUNK] <= duration
 
 
 def test_cache_creation_on_two_turns(chat_pair, otel):
