@@ -468,8 +468,9 @@ def _restore(pair: ModelPair, cache, ids: list[int], d: Drafter | None, namespac
 
 def _save(
     pair: ModelPair, cache, target: ModelState, d: Drafter | None, ended: bool, namespace: str | None
-) -> None:
-    """Save the verified states to the prefix cache (the drafter's caught up first, unless it failed)."""
+) -> int:
+    """Save the verified states to the prefix cache (the drafter's caught up first, unless it failed);
+    returns how many target positions were new to it (the last ones of ``target.ids``)."""
     if ended and d is not None and d.kv_state() is not None:
         try:  # the draft then covers the same verified tokens (also when closed early)
             d.catch_up(target.ids)
@@ -479,8 +480,10 @@ def _save(
     draft = d.kv_state() if d is not None else None
     if draft is not None:
         saved["draft"] = draft
+    written = 0
     with cache_oom_frees_cache(cache, "saving to"):  # it costs the cache, not the reply
-        cache.save(pair, saved, namespace)
+        written = cache.save(pair, saved, namespace)
+    return written
 
 
 def stream(
@@ -533,7 +536,10 @@ def stream(
             if d is not None and key is not None and stats is not None:
                 pair.draft_health.record(key, failed=stats.draft_failures > 0)
             if cache is not None:
-                _save(pair, cache, target, d, ended, namespace)
+                written = _save(pair, cache, target, d, ended, namespace)
+                if stats is not None:  # the new positions are the last ones: count those in the prompt
+                    held = len(target.ids) - written
+                    stats.cache_creation_tokens = max(0, min(stats.prompt_tokens, len(target.ids)) - held)
 
 
 def _pick_cache(pair: ModelPair, prefix_cache: Any):

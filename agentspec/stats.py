@@ -24,6 +24,9 @@ class DecodeStats:
     prompt_tokens: int = 0  # tokens in the request
     cached_tokens: int = 0  # prompt tokens whose KV state was restored, not recomputed
     prefill_tokens: int = 0  # prompt tokens the target computed in this call
+    # prompt tokens this call newly wrote into the prefix cache (part of prompt_tokens; the output
+    # it wrote is not counted). Set when the call's state is saved: after its last Step was yielded
+    cache_creation_tokens: int = 0
     output_tokens: int = 0  # tokens returned (after EOS / stop / length trimming)
     draft_tokens: int = 0  # tokens proposed (by the drafter or a grammar's jump-forward) and verified
     accepted_tokens: int = 0  # of those, accepted by the target

@@ -97,20 +97,26 @@ class PrefixCache:
                 states[name] = _state(models[name], segs, ids[:n])
         return states
 
-    def save(self, pair, states: Mapping[str, ModelState], namespace: str | None = None) -> None:
+    def save(self, pair, states: Mapping[str, ModelState], namespace: str | None = None) -> int:
         """Record the verified tokens each state covers (the draft: only what matches the target),
-        under ``namespace``: only a restore under the same one reads them."""
+        under ``namespace``: only a restore under the same one reads them.
+
+        Returns how many of the target's positions were new to the tree. They are always the last
+        ones of ``target.ids``: a node holds a model's KV only if its parent does, so the positions
+        the tree already held for the target are a prefix of them.
+        """
         target = states["target"]
         if not target.ids or not _supports_reuse(target.cache):
-            return
+            return 0
         ns = self.namespace(pair, namespace)
-        self.tree.insert(ns, target.ids, "target", _segments(target, len(target.ids)))
+        written = self.tree.insert(ns, target.ids, "target", _segments(target, len(target.ids)))
         for name, state in states.items():
             if name == "target" or not _supports_reuse(state.cache):
                 continue
             n = common_prefix_len(state.ids, target.ids)  # draft positions past n are unverified
             if n:
                 self.tree.insert(ns, target.ids[:n], name, _segments(state, n))
+        return written
 
     def clear(self) -> None:
         self.tree.evict_all()

@@ -9,7 +9,7 @@ request.py     prepare() and ReplyParser: what the LangChain chat model and the 
 
 from agentspec.chat.prompt import Prompt, render, tool_call_text
 from agentspec.chat.request import PreparedRequest, ReplyParser, prepare
-from agentspec.chat.tool_calls import Reply, ToolCallSplitter, parse_reply
+from agentspec.chat.tool_calls import Reply, ToolCallSplitter, new_response_id, parse_reply
 
 __all__ = [
     "PreparedRequest",
@@ -17,6 +17,7 @@ __all__ = [
     "Reply",
     "ReplyParser",
     "ToolCallSplitter",
+    "new_response_id",
     "parse_reply",
     "prepare",
     "render",

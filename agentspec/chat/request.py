@@ -134,6 +134,15 @@ class PreparedRequest:
     tool_names: frozenset[str] | None  # the tools a reply may call; None: no tool-call parsing
     single: bool  # one call wanted (a named tool, or parallel_tool_calls=False): stop after it
     stop: tuple[str, ...]  # stop strings the request adds to the caller's
+    # the request as given (OpenAI format), for telemetry's opt-in content capture: read, never copied
+    messages: Sequence[dict] = ()
+    tools: Sequence[dict] = ()  # as checked_tools returned them
+    answer: dict | None = None  # the JSON schema response_format asks for (None: free text)
+
+    @property
+    def output_type(self) -> str:
+        """What the client asked for (``gen_ai.output.type``): "json" under a response_format, else "text"."""
+        return "json" if self.answer is not None else "text"
 
     def constraint(self, pair: Any) -> G.Constraint | None:
         """The grammar compiled for ``pair``, past the forced start of the reply."""
@@ -178,7 +187,7 @@ def prepare(
         else None
     )
     stop = (OPEN,) if choice == "none" else ()
-    return PreparedRequest(prompt, grammar, names, single, stop)
+    return PreparedRequest(prompt, grammar, names, single, stop, messages, tools, answer)
 
 
 class ReplyParser:

@@ -52,6 +52,11 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def new_response_id() -> str:
+    """An id for one reply (OpenAI's ``chatcmpl-`` form): its ``gen_ai.response.id``."""
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
 def _call(name: str, args: dict) -> Event:
     function = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
     return "call", {"id": new_call_id(), "type": "function", "function": function}

@@ -4,8 +4,9 @@ Stats are data (``agentspec.stats.DecodeStats`` and the per-pass ``agentspec.dec
 package is one exporter of them:
 
 - ``attributes``: every attribute and metric name (``gen_ai.*`` after the OpenTelemetry GenAI
-  conventions, ``agentspec.*`` for speculation, the prefix cache and the estimate), and pure
-  functions from a call's stats to attribute dicts;
+  conventions, ``agentspec.*`` for speculation, the prefix cache and the estimate), the two
+  environment switches (opt-in message content, the conventions' draft names), and pure functions
+  from a call's stats, request and reply to attribute dicts;
 - ``latency``: the estimate of what a call would have cost with plain decoding and no cache (a
   cost model on the pair, ``ModelPair.latency``, from a prior learnt from the passes traced calls
   timed, or fitted up front by an explicit ``calibrate``: see its docstring);
@@ -15,8 +16,10 @@ package is one exporter of them:
   a span.
 
 Telemetry observes and never acts: a traced call runs exactly the model passes an untraced one
-runs. ``ChatSpecDecode(tracer_provider=..., meter_provider=...)`` keeps a ``Telemetry`` for its
-calls; by default it uses the global providers.
+runs, and tokenizes nothing. ``ChatSpecDecode(tracer_provider=..., meter_provider=...)`` keeps a
+``Telemetry`` for its calls; by default it uses the global providers. Its spans carry the run's
+thread or session id as ``gen_ai.conversation.id`` (``langchain_agentspec.conversation``) and the
+reply's ``response_metadata["id"]`` as ``gen_ai.response.id``.
 """
 
 from agentspec.telemetry.latency import (

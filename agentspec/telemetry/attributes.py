@@ -1,18 +1,41 @@
 """Every span attribute and metric name agentspec writes, and pure functions from a call to attributes.
 
-``gen_ai.*`` follow the OpenTelemetry GenAI semantic conventions (status: development). The strings
-are written out here because the Python semconv constants for them are marked deprecated.
-``agentspec.*`` is our namespace for what the conventions do not cover: speculation, the prefix
-cache and the latency-saved estimate. Durations in our namespace are seconds, named ``..._s``.
+``gen_ai.*`` follow the OpenTelemetry GenAI semantic conventions (status: development), as
+published in ``opentelemetry-semantic-conventions`` (a test checks each name against its
+constants). The strings are written out here because those constants are marked deprecated (the
+conventions moved to their own repository, ``semantic-conventions-genai``). ``agentspec.*`` is our
+namespace for what the conventions do not cover: speculation, the prefix cache and the
+latency-saved estimate. Durations in our namespace are seconds, named ``..._s``.
 
-The functions below read ``DecodeStats`` (and the request options) and return plain dicts; the
-exporter glue in ``agentspec.telemetry.otel`` only hands them to a span or an instrument.
+Two switches, read from the environment at every call (the caller's ``Telemetry`` may override the
+first):
+
+- ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``: ``true`` (or ``SPAN_ONLY`` /
+  ``SPAN_AND_EVENT``, the values OpenTelemetry's GenAI utilities take) records the request's
+  messages, system instructions and tool definitions and the reply on the span, in the
+  conventions' JSON shapes (``role`` / ``parts``). Off by default: they may hold personal data.
+- ``OTEL_SEMCONV_STABILITY_OPT_IN`` containing ``gen_ai_latest_experimental``: the names of the
+  conventions' unreleased draft replace the published ones it renames, as OpenTelemetry's
+  instrumentations do under that flag (it has no "both" mode for GenAI):
+  ``gen_ai.client.inference.duration`` for ``gen_ai.client.operation.duration``; the
+  ``gen_ai.client.inference.operation.{input,output}_tokens`` histograms and the
+  ``gen_ai.client.inference.usage.*`` counters (``gen_ai.token.modality`` "text") for
+  ``gen_ai.client.token.usage``; ``gen_ai.usage.cache_write.input_tokens`` for
+  ``gen_ai.usage.cache_creation.input_tokens``; plus ``gen_ai.client.inference.time_to_first_chunk``
+  on streamed calls. The ``gen_ai.server.*`` timings and ``agentspec.*`` are the same in both.
+
+The functions below read ``DecodeStats``, the request options and the request's OpenAI-format
+messages and tools, and return plain dicts; the exporter glue in ``agentspec.telemetry.otel`` only
+hands them to a span or an instrument.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
+from agentspec.chat.prompt import content_text
 from agentspec.config import GenerationConfig
 from agentspec.stats import DecodeStats
 
@@ -26,17 +49,47 @@ REQUEST_TOP_P = "gen_ai.request.top_p"
 REQUEST_TOP_K = "gen_ai.request.top_k"
 REQUEST_SEED = "gen_ai.request.seed"
 REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
-REQUEST_STREAM = "gen_ai.request.stream"  # the caller received chunks (False: one aggregated reply)
+REQUEST_STREAM = "gen_ai.request.stream"  # True: the caller received chunks; absent otherwise
+CONVERSATION_ID = "gen_ai.conversation.id"  # the caller's thread / session id, when it has one
+OUTPUT_TYPE = "gen_ai.output.type"  # "json" under a response_format, "text" otherwise
+RESPONSE_ID = "gen_ai.response.id"  # one per call; the LangChain reply's response_metadata["id"]
+# streamed calls: from the call's start to the first pass that released text or finished
+RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 RESPONSE_MODEL = "gen_ai.response.model"
 RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"  # restored from the prefix cache
+# prompt tokens this call newly wrote into the prefix cache (part of input_tokens)
+USAGE_CACHE_CREATION_INPUT_TOKENS = "gen_ai.usage.cache_creation.input_tokens"
+# opt-in content (JSON strings in the conventions' shapes; see the module docstring)
+INPUT_MESSAGES = "gen_ai.input.messages"  # the chat history after the leading system messages
+OUTPUT_MESSAGES = "gen_ai.output.messages"  # the reply: its text and its tool calls, as parsed
+SYSTEM_INSTRUCTIONS = "gen_ai.system_instructions"  # the leading system (or developer) messages
+TOOL_DEFINITIONS = "gen_ai.tool.definitions"  # the tools bound to the request
 TOKEN_TYPE = "gen_ai.token.type"  # metric attribute: "input" or "output"
 ERROR_TYPE = "error.type"  # the exception's class name
 
 OPERATION = "chat"
 PROVIDER = "agentspec"
+
+# -- the draft conventions (semantic-conventions-genai), under OTEL_SEMCONV_STABILITY_OPT_IN -------------
+LATEST_EXPERIMENTAL = "gen_ai_latest_experimental"
+USAGE_CACHE_WRITE_INPUT_TOKENS = "gen_ai.usage.cache_write.input_tokens"  # renames cache_creation
+TOKEN_MODALITY = "gen_ai.token.modality"  # metric attribute of the usage counters: "text"
+METRIC_INFERENCE_DURATION = "gen_ai.client.inference.duration"  # histogram, s
+METRIC_INFERENCE_TIME_TO_FIRST_CHUNK = "gen_ai.client.inference.time_to_first_chunk"  # histogram, s
+METRIC_INFERENCE_INPUT_TOKENS = "gen_ai.client.inference.operation.input_tokens"  # histogram, {token}
+METRIC_INFERENCE_OUTPUT_TOKENS = "gen_ai.client.inference.operation.output_tokens"  # histogram, {token}
+METRIC_USAGE_INPUT_TOKENS = "gen_ai.client.inference.usage.input_tokens"  # counter, {token}
+METRIC_USAGE_OUTPUT_TOKENS = "gen_ai.client.inference.usage.output_tokens"  # counter, {token}
+METRIC_USAGE_CACHE_READ_TOKENS = "gen_ai.client.inference.usage.cache_read.input_tokens"  # counter
+METRIC_USAGE_CACHE_WRITE_TOKENS = "gen_ai.client.inference.usage.cache_write.input_tokens"  # counter
+
+# -- environment variables -----------------------------------------------------------------------------
+ENV_CAPTURE_CONTENT = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+ENV_STABILITY_OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
+CAPTURE_ON = ("true", "span_only", "span_and_event")  # values that record content on spans
 
 # -- span: agentspec ---------------------------------------------------------------------------------
 REQUEST_SPECULATIVE = "agentspec.request.speculative"  # False: the plain baseline loop
@@ -97,13 +150,34 @@ def base_attributes(model: str) -> dict[str, Any]:
     return {OPERATION_NAME: OPERATION, PROVIDER_NAME: PROVIDER, REQUEST_MODEL: model}
 
 
+def capture_content(value: str | None) -> bool:
+    """Whether ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``'s value records content on spans."""
+    return value is not None and value.strip().lower() in CAPTURE_ON
+
+
+def latest_experimental(value: str | None) -> bool:
+    """Whether ``OTEL_SEMCONV_STABILITY_OPT_IN``'s value (a comma-separated list) opts into the draft."""
+    return value is not None and LATEST_EXPERIMENTAL in (s.strip() for s in value.split(","))
+
+
 def request_attributes(
-    model: str, config: GenerationConfig | None, prefix_cache: Any, streamed: bool
+    model: str,
+    config: GenerationConfig | None,
+    prefix_cache: Any,
+    streamed: bool,
+    conversation_id: str | None = None,
+    output_type: str | None = None,
 ) -> dict[str, Any]:
     """A request's attributes: its ``GenerationConfig`` and ``prefix_cache`` setting (as
-    ``agentspec.stream`` takes them); ``config`` None for a call refused before it had one."""
+    ``agentspec.stream`` takes them); ``config`` None for a call refused before it had one.
+    ``gen_ai.request.stream`` is set only on a streamed call, as the conventions ask."""
     attrs = base_attributes(model)
-    attrs[REQUEST_STREAM] = streamed
+    if streamed:
+        attrs[REQUEST_STREAM] = True
+    if conversation_id is not None:
+        attrs[CONVERSATION_ID] = conversation_id
+    if output_type is not None:
+        attrs[OUTPUT_TYPE] = output_type
     if config is None:
         return attrs
     given = (
@@ -122,17 +196,94 @@ def request_attributes(
     return attrs
 
 
-def response_attributes(model: str, stats: DecodeStats) -> dict[str, Any]:
-    """Finish reason and usage (``gen_ai.*``) of a call that produced stats."""
+def response_attributes(
+    model: str, stats: DecodeStats, response_id: str | None = None, latest: bool = False
+) -> dict[str, Any]:
+    """Id, finish reason and usage (``gen_ai.*``) of a call that produced stats (``latest``: the
+    draft's name for the prefix-cache writes)."""
+    written = USAGE_CACHE_WRITE_INPUT_TOKENS if latest else USAGE_CACHE_CREATION_INPUT_TOKENS
     attrs: dict[str, Any] = {
         RESPONSE_MODEL: model,
         USAGE_INPUT_TOKENS: stats.prompt_tokens,
         USAGE_OUTPUT_TOKENS: stats.output_tokens,
         USAGE_CACHE_READ_INPUT_TOKENS: stats.cached_tokens,
+        written: stats.cache_creation_tokens,
     }
+    if response_id is not None:
+        attrs[RESPONSE_ID] = response_id
     if stats.finish_reason is not None:
         attrs[RESPONSE_FINISH_REASONS] = [stats.finish_reason]
     return attrs
+
+
+# -- opt-in content, in the conventions' JSON shapes -----------------------------------------------------
+
+
+def _arguments(arguments: Any) -> Any:
+    """A call's arguments as an object when they are JSON (OpenAI sends a string), else as given."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # an invalid call's raw text
+
+
+def _call_part(call: dict) -> dict[str, Any]:
+    function = call.get("function") or {}
+    args = _arguments(function.get("arguments"))
+    return {"type": "tool_call", "id": call.get("id"), "name": function.get("name"), "arguments": args}
+
+
+def message_parts(message: dict, index: int) -> list[dict[str, Any]]:
+    """An OpenAI-format message's ``parts``: text, its tool calls, or a tool's response."""
+    text = content_text(message, index)
+    if message["role"] == "tool":
+        return [{"type": "tool_call_response", "id": message.get("tool_call_id"), "response": text}]
+    parts: list[dict[str, Any]] = [{"type": "text", "content": text}] if text else []
+    return parts + [_call_part(call) for call in message.get("tool_calls") or ()]
+
+
+def input_content_attributes(messages: Sequence[dict], tools: Sequence[dict]) -> dict[str, Any]:
+    """``gen_ai.system_instructions`` (the leading system or developer messages), ``gen_ai.input.messages``
+    (the rest, in order) and ``gen_ai.tool.definitions``, each a JSON string."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+        lead += 1
+    attrs: dict[str, Any] = {}
+    if lead:
+        instructions = [part for i in range(lead) for part in message_parts(messages[i], i)]
+        attrs[SYSTEM_INSTRUCTIONS] = _json(instructions)
+    history = [{"role": m["role"], "parts": message_parts(m, i)} for i, m in enumerate(messages) if i >= lead]
+    attrs[INPUT_MESSAGES] = _json(history)
+    if tools:
+        attrs[TOOL_DEFINITIONS] = _json([tool_definition(t) for t in tools])
+    return attrs
+
+
+def tool_definition(tool: dict) -> dict[str, Any]:
+    """An OpenAI-format tool as the conventions define one: its function's fields, flattened."""
+    function = tool["function"]
+    return {
+        "type": "function",
+        **{k: function[k] for k in ("name", "description", "parameters") if k in function},
+    }
+
+
+def output_content_attributes(
+    text: str, tool_calls: Sequence[dict], finish_reason: str | None
+) -> dict[str, Any]:
+    """``gen_ai.output.messages``: the one reply, its text and its (OpenAI-format) tool calls as parsed."""
+    parts: list[dict[str, Any]] = [{"type": "text", "content": text}] if text else []
+    parts += [_call_part(call) for call in tool_calls]
+    # no finish reason: the caller stopped reading, or decoding failed; the conventions say "error"
+    message = {"role": "assistant", "parts": parts, "finish_reason": finish_reason or "error"}
+    return {OUTPUT_MESSAGES: _json([message])}
+
+
+def _json(value: Any) -> str:
+    # span attributes hold no nested maps: the conventions allow a JSON string on spans
+    return json.dumps(value, ensure_ascii=False)
 
 
 def speculation_attributes(stats: DecodeStats) -> dict[str, Any]:
@@ -169,10 +320,17 @@ def source_attributes(stats: DecodeStats) -> dict[str, Any]:
 
 
 def timing_attributes(
-    ttft_s: float | None, decode_s: float, baseline_s: float | None, cost_source: str | None = None
+    ttft_s: float | None,
+    decode_s: float,
+    baseline_s: float | None,
+    cost_source: str | None = None,
+    first_chunk_s: float | None = None,
 ) -> dict[str, Any]:
-    """Measured times, and the estimate when there is one (saved = baseline - decode) with its source."""
+    """Measured times, and the estimate when there is one (saved = baseline - decode) with its source;
+    ``first_chunk_s`` only for a streamed call."""
     attrs: dict[str, Any] = {DECODE_TIME: decode_s}
+    if first_chunk_s is not None:
+        attrs[RESPONSE_TIME_TO_FIRST_CHUNK] = first_chunk_s
     if ttft_s is not None:
         attrs[TIME_TO_FIRST_TOKEN] = ttft_s
     if baseline_s is not None:

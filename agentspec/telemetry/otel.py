@@ -1,19 +1,25 @@
 """OpenTelemetry glue: one span and one set of metric points per model call.
 
-``CallTrace`` is built before a call, wraps its Step generator (``watch``), is told of a failure
-(``fail``) and ends after the generator is closed (``end``). It turns what it saw into attributes
-with the pure functions of ``attributes`` and the estimate of ``latency``. The span is started as a
-child of the current span and never made current itself (it has no children, and a context
-attached inside a generator would leak into the caller between chunks).
+``CallTrace`` is built before a call, wraps its Step generator (``watch``), is told of the reply
+(``reply``) or of a failure (``fail``) and ends after the generator is closed (``end``). It turns
+what it saw into attributes with the pure functions of ``attributes`` and the estimate of
+``latency``. The span is started as a child of the current span and never made current itself (it
+has no children, and a context attached inside a generator would leak into the caller between
+chunks).
 
-``Telemetry`` holds a caller's tracer and instruments and makes the ``CallTrace`` of each call.
-With no SDK configured (the global providers are the API's no-op/proxy ones and none was injected),
-``CallTrace`` records nothing and hands the generator back unwrapped. Tracing never runs the model:
-the latency estimate learns from the passes the loop timed (``agentspec.telemetry.latency``).
+``Telemetry`` holds a caller's tracer and instruments and makes the ``CallTrace`` of each call; it
+reads the two switches of ``attributes`` (content capture, the draft conventions) from the
+environment at each call, so a process may set them after building its callers. With no SDK
+configured (the global providers are the API's no-op/proxy ones and none was injected),
+``CallTrace`` records nothing and hands the generator back unwrapped. Tracing never runs the model
+nor tokenizes: the latency estimate learns from the passes the loop timed
+(``agentspec.telemetry.latency``), and the content recorded is the request's messages and the
+reply the caller parsed.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Generator, Iterator
@@ -28,6 +34,7 @@ from agentspec.telemetry import attributes as A
 from agentspec.telemetry.latency import baseline_seconds, cost_model
 
 if TYPE_CHECKING:  # models.py imports this package (ModelPair.latency): annotations only
+    from agentspec.chat import PreparedRequest
     from agentspec.decode import Step
     from agentspec.models import ModelPair
 
@@ -106,6 +113,40 @@ class Instruments:
             unit="s",
             description="Estimated time saved against plain decoding without cache (negative: lost)",
         )
+        self.draft_names = DraftInstruments(meter, hist)  # recorded only under the opt-in flag
+
+
+class DraftInstruments:
+    """The draft conventions' instruments (``gen_ai.client.inference.*``). An instrument never
+    recorded exports nothing, so making them costs a process that does not opt in nothing."""
+
+    def __init__(self, meter: Any, hist: Any):
+        self.duration = hist(
+            A.METRIC_INFERENCE_DURATION, "s", "Duration of an inference call", A.DURATION_BUCKETS
+        )
+        self.first_chunk = hist(
+            A.METRIC_INFERENCE_TIME_TO_FIRST_CHUNK,
+            "s",
+            "Time to the first chunk of a streamed call",
+            A.DURATION_BUCKETS,
+        )
+        self.input_tokens = hist(
+            A.METRIC_INFERENCE_INPUT_TOKENS, "{token}", "Input tokens per call", A.TOKEN_BUCKETS
+        )
+        self.output_tokens = hist(
+            A.METRIC_INFERENCE_OUTPUT_TOKENS, "{token}", "Output tokens per call", A.TOKEN_BUCKETS
+        )
+        count = meter.create_counter
+        self.usage = {  # counters by what they count, each a subset or the total of its kind
+            "input": count(A.METRIC_USAGE_INPUT_TOKENS, unit="{token}", description="Input tokens"),
+            "output": count(A.METRIC_USAGE_OUTPUT_TOKENS, unit="{token}", description="Output tokens"),
+            "cache_read": count(
+                A.METRIC_USAGE_CACHE_READ_TOKENS, unit="{token}", description="Input tokens read from cache"
+            ),
+            "cache_write": count(
+                A.METRIC_USAGE_CACHE_WRITE_TOKENS, unit="{token}", description="Input tokens written to cache"
+            ),
+        }
 
 
 class Telemetry:
@@ -115,10 +156,15 @@ class Telemetry:
     ``call``. A provider given as None is the global one, looked up at every call: an app may set
     its SDK after building the caller. The tracer and instruments of the provider last seen are kept
     (for the same names, the SDK hands back the instruments it made before, without a warning).
+    ``capture_content``: record messages on the spans (True), never (False), or as
+    ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` says at each call (None).
     """
 
-    def __init__(self, tracer_provider: Any = None, meter_provider: Any = None):
+    def __init__(
+        self, tracer_provider: Any = None, meter_provider: Any = None, capture_content: bool | None = None
+    ):
         self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
+        self.capture_content = capture_content
         self._lock = threading.Lock()
         self._tracing: Any = None  # the provider resolved at the last call, and its tracer
         self._tracer: Any = None
@@ -127,7 +173,7 @@ class Telemetry:
 
     def __deepcopy__(self, memo: dict) -> Telemetry:
         # a deep copy of its caller (pydantic's model_copy(deep=True)) records to the same providers
-        return Telemetry(self.tracer_provider, self.meter_provider)
+        return Telemetry(self.tracer_provider, self.meter_provider, self.capture_content)
 
     def _resolved(self) -> tuple[Any, Instruments | None]:
         tracing = tracer_provider_or_none(self.tracer_provider)
@@ -147,11 +193,33 @@ class Telemetry:
         model: str,
         config: GenerationConfig | None,
         prefix_cache: Any = True,
-        **where,
+        *,
+        streamed: bool,
+        parent: Any = None,
+        conversation_id: str | None = None,
+        response_id: str | None = None,
+        request: PreparedRequest | None = None,
     ) -> CallTrace:
-        """The ``CallTrace`` of one call; ``where`` is ``streamed=`` and ``parent=``, as ``CallTrace``'s."""
+        """The ``CallTrace`` of one call (the arguments are ``CallTrace``'s), with the switches as set now."""
         tracer, instruments = self._resolved()
-        return CallTrace(pair, model, config, prefix_cache, tracer=tracer, instruments=instruments, **where)
+        capture = self.capture_content
+        if capture is None:
+            capture = A.capture_content(os.environ.get(A.ENV_CAPTURE_CONTENT))
+        return CallTrace(
+            pair,
+            model,
+            config,
+            prefix_cache,
+            streamed=streamed,
+            parent=parent,
+            conversation_id=conversation_id,
+            response_id=response_id,
+            request=request,
+            tracer=tracer,
+            instruments=instruments,
+            capture_content=capture,
+            latest=A.latest_experimental(os.environ.get(A.ENV_STABILITY_OPT_IN)),
+        )
 
 
 class CallTrace:
@@ -161,8 +229,12 @@ class CallTrace:
     ``config`` and ``prefix_cache`` are what the call passes to ``agentspec.stream`` (``config``
     None: refused before it had one); ``streamed`` whether the caller
     receives chunks; ``parent`` an OpenTelemetry Context whose span is the parent (None: the
-    current one); ``tracer`` and ``instruments`` where the call is recorded (``Telemetry.call``
-    resolves them; both None: nothing is). Looking up the pair's CostModel runs no model pass.
+    current one); ``conversation_id`` the caller's thread or session id (None: it has none);
+    ``response_id`` the id the caller gives the reply; ``request`` the prepared chat request, for
+    its output type and (with ``capture_content``) its messages and tools; ``tracer`` and
+    ``instruments`` where the call is recorded (``Telemetry.call`` resolves them; both None:
+    nothing is); ``latest``: the draft conventions' names (``attributes``). Looking up the pair's
+    CostModel runs no model pass. The reply's content is told with ``reply``.
     """
 
     def __init__(
@@ -174,20 +246,32 @@ class CallTrace:
         *,
         streamed: bool,
         parent: Any = None,
+        conversation_id: str | None = None,
+        response_id: str | None = None,
+        request: PreparedRequest | None = None,
         tracer: Any = None,
         instruments: Instruments | None = None,
+        capture_content: bool = False,
+        latest: bool = False,
     ):
         self.enabled = tracer is not None or instruments is not None
         if not self.enabled:
             return
         self.pair, self.model = pair, model
         self.instruments = instruments
+        self.streamed, self.response_id, self.latest = streamed, response_id, latest
+        self.capture = capture_content
         self.cost = cost_model(pair) if pair is not None else None
         self.span = None
         if tracer is not None:
             span = tracer.start_span(A.span_name(model), context=parent, kind=SpanKind.INTERNAL)
             if span.is_recording():
-                span.set_attributes(A.request_attributes(model, config, prefix_cache, streamed))
+                output_type = request.output_type if request is not None else None
+                span.set_attributes(
+                    A.request_attributes(model, config, prefix_cache, streamed, conversation_id, output_type)
+                )
+                if capture_content and request is not None:
+                    span.set_attributes(A.input_content_attributes(request.messages, request.tools))
                 self.span = span
         if self.span is None and self.instruments is None:  # a sampler dropped the span: nothing to do
             self.enabled = False
@@ -198,6 +282,9 @@ class CallTrace:
         self.ended = False
         self.decode_s = 0.0  # inside the decoder: its passes and the time around them (see _watch)
         self.ttft_s: float | None = None
+        # to the first pass that released text or finished: the earliest a caller gets a chunk
+        self.first_chunk_s: float | None = None
+        self.output: tuple[str, list[dict]] | None = None  # the reply, told by ``reply``
         self.start = time.perf_counter()
 
     def watch(self, steps: Generator[Step, None, None]) -> Generator[Step, None, None]:
@@ -216,6 +303,8 @@ class CallTrace:
                 self.steps.append(step)
                 if self.ttft_s is None and step.tokens:
                     self.ttft_s = step.started + step.seconds - self.start
+                if self.first_chunk_s is None and (step.text or step.finish_reason is not None):
+                    self.first_chunk_s = step.started + step.seconds - self.start
                 yield step
                 resumed = time.perf_counter()
             self.decode_s += time.perf_counter() - resumed  # ran to its end: the cleanup
@@ -223,6 +312,12 @@ class CallTrace:
             t0 = time.perf_counter()
             steps.close()  # closed early: waits for the decoder's cleanup
             self.decode_s += time.perf_counter() - t0
+
+    def reply(self, text: str, tool_calls: list[dict]) -> None:
+        """The reply as the caller parsed it: its text and its OpenAI-format tool calls (recorded
+        as ``gen_ai.output.messages`` when content is captured)."""
+        if self.enabled:
+            self.output = (text, tool_calls)
 
     def fail(self, exc: BaseException) -> None:
         """The call raised ``exc`` (GeneratorExit: the caller closed it early, not an error)."""
@@ -250,9 +345,13 @@ class CallTrace:
         if self.span is not None:
             attrs: dict[str, Any] = {}
             if stats is not None:
-                attrs.update(A.response_attributes(self.model, stats))
+                attrs.update(A.response_attributes(self.model, stats, self.response_id, self.latest))
                 attrs.update(A.speculation_attributes(stats))
-                attrs.update(A.timing_attributes(self.ttft_s, self.decode_s, baseline, source))
+                first_chunk = self.first_chunk_s if self.streamed else None
+                attrs.update(A.timing_attributes(self.ttft_s, self.decode_s, baseline, source, first_chunk))
+            if self.capture and self.output is not None:
+                reason = stats.finish_reason if stats is not None else None
+                attrs.update(A.output_content_attributes(*self.output, reason))
             if self.error is not None:
                 attrs[A.ERROR_TYPE] = self.error
             if self.closed_early:
@@ -265,11 +364,15 @@ class CallTrace:
     def _record_metrics(self, duration: float, stats: DecodeStats | None, baseline: float | None) -> None:
         m, attrs = self.instruments, A.metric_attributes(self.model, self.error)
         assert m is not None
-        m.duration.record(duration, attrs)
+        if self.latest:
+            self._record_draft_metrics(m.draft_names, duration, stats, attrs)
+        else:
+            m.duration.record(duration, attrs)
         if stats is None:
             return
-        m.tokens.record(stats.prompt_tokens, {**attrs, A.TOKEN_TYPE: "input"})
-        m.tokens.record(stats.output_tokens, {**attrs, A.TOKEN_TYPE: "output"})
+        if not self.latest:
+            m.tokens.record(stats.prompt_tokens, {**attrs, A.TOKEN_TYPE: "input"})
+            m.tokens.record(stats.output_tokens, {**attrs, A.TOKEN_TYPE: "output"})
         if self.ttft_s is not None:
             m.ttft.record(self.ttft_s, attrs)
             if stats.output_tokens > 1:
@@ -286,6 +389,26 @@ class CallTrace:
         if baseline is not None:
             m.baseline.record(baseline, attrs)
             m.saved.add(baseline - self.decode_s, spec)
+
+    def _record_draft_metrics(
+        self, m: DraftInstruments, duration: float, stats: DecodeStats | None, attrs: dict[str, Any]
+    ) -> None:
+        """The draft conventions' points, in place of the published duration and token usage."""
+        m.duration.record(duration, attrs)
+        if self.streamed and self.first_chunk_s is not None:
+            m.first_chunk.record(self.first_chunk_s, attrs)
+        if stats is None:
+            return
+        m.input_tokens.record(stats.prompt_tokens, attrs)
+        m.output_tokens.record(stats.output_tokens, attrs)
+        text = {**attrs, A.TOKEN_MODALITY: "text"}
+        for kind, n in (
+            ("input", stats.prompt_tokens),
+            ("output", stats.output_tokens),
+            ("cache_read", stats.cached_tokens),
+            ("cache_write", stats.cache_creation_tokens),
+        ):
+            m.usage[kind].add(n, text)
 
 
 def traced_stream(

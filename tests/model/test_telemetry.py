@@ -131,7 +131,7 @@ def test_greedy_call(chat_pair, otel):
     assert a[A.OPERATION_NAME] == "chat" and a[A.PROVIDER_NAME] == "agentspec"
     assert a[A.REQUEST_MODEL] == a[A.RESPONSE_MODEL] == "tiny-smol"
     assert a[A.REQUEST_MAX_TOKENS] == 12 and a[A.REQUEST_TEMPERATURE] == 0.0
-    assert a[A.REQUEST_STREAM] is False  # invoke aggregates the chunks
+    assert A.REQUEST_STREAM not in a  # invoke aggregates the chunks: set only when streaming
     assert a[A.REQUEST_SPECULATIVE] is True and a[A.REQUEST_PREFIX_CACHE] is False
     assert a[A.DRAFTER] not in ("none", None) and a[A.VERIFY_STEPS] >= 1  # the default drafter
     for absent in (A.REQUEST_TOP_P, A.REQUEST_TOP_K, A.REQUEST_SEED, A.ERROR_TYPE):
@@ -166,7 +166,7 @@ def test_streamed_call_and_prefix_cache_reads(chat_pair, otel):
     llm.invoke(first)
     chunks = list(llm.stream([*first, AIMessage("ok"), HumanMessage("And this?")]))
     cold, warm = exporter.get_finished_spans()
-    assert cold.attributes[A.REQUEST_STREAM] is False and warm.attributes[A.REQUEST_STREAM] is True
+    assert A.REQUEST_STREAM not in cold.attributes and warm.attributes[A.REQUEST_STREAM] is True
     reply = chunks[0]
     for c in chunks[1:]:
         reply += c

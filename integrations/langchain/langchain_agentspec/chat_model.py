@@ -11,7 +11,8 @@ Chunks: text as soon as the verified tokens make it safe to show (never tool-cal
 held back while a ``<tool_call>`` may be starting); each tool call as one indexed
 ``tool_call_chunk`` once its block closes; a last chunk with ``chunk_position="last"`` carrying
 ``usage_metadata`` (``input_token_details.cache_read`` = prompt tokens restored from the prefix
-cache) and ``response_metadata``: ``model_name``, ``finish_reason`` and ``speculative`` (drafter,
+cache) and ``response_metadata``: ``id`` (the reply's ``chatcmpl-`` id, which its span carries as
+``gen_ai.response.id``), ``model_name``, ``finish_reason`` and ``speculative`` (drafter,
 draft and accepted tokens, verify steps, acceptance rate, mean acceptance length counting the bonus
 token, acceptance histogram by accepted count), plus ``stats``, the full ``DecodeStats`` record,
 and ``tool_call_errors`` ({id: why}) when a call was invalid: LangChain rebuilds a streamed
@@ -35,12 +36,13 @@ from langchain_core.language_models.chat_models import LangSmithParams, generate
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough, ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from langchain_agentspec import _engine
+from langchain_agentspec.conversation import conversation_id
 from langchain_agentspec.messages import to_openai_messages
 from langchain_agentspec.structured import openai_response_format, structured_parser
 
@@ -554,9 +556,11 @@ class ChatSpecDecode(BaseChatModel):
         start = time.perf_counter()
         parser = agentspec.chat.ReplyParser(call.request)
         errors: dict[str, str] = {}  # invalid call id -> why (chunk merging drops the error field)
-        trace = self._trace(
-            call, run_manager, streamed
-        )  # a span and metrics (no-ops without an OpenTelemetry SDK)
+        response_id = agentspec.chat.new_response_id()  # the span's gen_ai.response.id, and the reply's
+        # a span and metrics (no-ops without an OpenTelemetry SDK), told the reply as parsed at the end
+        trace = self._trace(call, run_manager, streamed, response_id=response_id)
+        texts: list[str] = []
+        made: list[dict] = []  # the reply's calls (valid or not), OpenAI format
         ids, config = call.request.prompt.ids, call.config
         steps = trace.watch(
             agentspec.stream(call.pair, ids, call.drafter, call.prefix_cache, call.grammar, config=config)
@@ -576,11 +580,13 @@ class ChatSpecDecode(BaseChatModel):
                 text = "".join(value for kind, value in events if kind == "text")
                 calls = [value for kind, value in events if kind != "text"]
                 errors.update((c["id"], c["error"]) for kind, c in events if kind == "invalid")
+                texts.append(text)
+                made += calls
                 first = parser.calls - len(calls)  # the index of this chunk's first call in the reply
                 calls = [_chunk_of_call(c, first + i) for i, c in enumerate(calls)]
                 if not (text or calls or reason):
                     continue
-                chunk = self._chunk(text, calls, reason, step.stats, call.pair.name, errors)
+                chunk = self._chunk(text, calls, reason, step.stats, call.pair.name, errors, response_id)
                 if run_manager is not None:
                     run_manager.on_llm_new_token(text, chunk=chunk)
                 yield chunk
@@ -591,14 +597,23 @@ class ChatSpecDecode(BaseChatModel):
             raise
         finally:
             steps.close()  # releases the pair's lock (and lets the core save its cache) early
+            trace.reply("".join(texts), made)
             trace.end()
 
     def _chunk(
-        self, text: str, calls: list, reason: str | None, stats: DecodeStats, model_name: str, errors: dict
+        self,
+        text: str,
+        calls: list,
+        reason: str | None,
+        stats: DecodeStats,
+        model_name: str,
+        errors: dict,
+        response_id: str,
     ) -> ChatGenerationChunk:
         if reason is None:
             return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls))
         metadata = {
+            "id": response_id,  # the span's gen_ai.response.id: a reply found from its trace, and back
             "model_name": model_name,
             "finish_reason": reason,
             "speculative": speculative_metadata(stats),
@@ -681,13 +696,23 @@ class ChatSpecDecode(BaseChatModel):
             return self._telemetry
 
     def _trace(
-        self, call: _Call | None, run_manager: Any, streamed: bool, error: Exception | None = None
+        self,
+        call: _Call | None,
+        run_manager: Any,
+        streamed: bool,
+        error: Exception | None = None,
+        response_id: str | None = None,
     ) -> Any:
         """The ``agentspec.telemetry.CallTrace`` of a call made from ``_stream``; with ``error``, a call
         that failed before decoding, recorded at once.
 
         The span's parent is the current span, or the span a LangChain tracer opened for this run
         when it has one (OpenInference's ``get_span(run_id)``: it does not make its spans current).
+        Its ``gen_ai.conversation.id`` is the run's thread or session id (``conversation``), read
+        from the run manager's metadata; LangChain streams (``stream``, and an invoke it streams for
+        a LangGraph ``stream_mode="messages"``) hand ``_stream`` no run manager, and then the
+        metadata is the config LangChain keeps in context (a LangGraph node's: the thread is
+        there; a bare ``llm.stream(config=...)`` leaves none).
         """
         from opentelemetry import trace as otel_trace
 
@@ -703,6 +728,11 @@ class ChatSpecDecode(BaseChatModel):
             call.prefix_cache if call is not None else True,
             streamed=streamed,
             parent=parent,
+            conversation_id=conversation_id(
+                run_manager.metadata if run_manager is not None else ensure_config().get("metadata")
+            ),
+            response_id=response_id,
+            request=call.request if call is not None else None,
         )
         if error is not None:
             trace.fail(error)
