@@ -124,6 +124,8 @@ class Server:
         self.jobs.discard(job)
         self.admission.leave()
         self.metrics.in_flight.labels(self.engine.model).dec()
+        if job.closed_early:
+            self.metrics.closed_early.labels(self.engine.model).inc()
 
     def close(self) -> None:
         """Stop every decode after its pass in progress (each saves its verified part) and wait."""

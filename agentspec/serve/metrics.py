@@ -36,6 +36,12 @@ class ServerMetrics:
         self.in_flight = Gauge(
             "agentspec_requests_in_flight", "Requests admitted: decoding or queued", labels, registry=reg
         )
+        self.closed_early = Counter(
+            "agentspec_requests_closed_early",
+            "Requests whose client went away before the reply finished (their decode stopped there)",
+            labels,
+            registry=reg,
+        )
         self.prompt_tokens = Counter("agentspec_prompt_tokens", "Prompt tokens", labels, registry=reg)
         self.cached_tokens = Counter(
             "agentspec_prompt_tokens_cached",
@@ -68,6 +74,11 @@ class ServerMetrics:
         self.duration = Histogram(
             "agentspec_request_duration_seconds", "Request time, queueing included", labels, registry=reg
         )
+        for family in (self.in_flight, self.closed_early, self.prompt_tokens, self.cached_tokens):
+            family.labels(model)  # shown at 0 from the start, not only once counted
+        for family in (self.generation_tokens, self.drafts, self.draft_tokens, self.accepted_tokens):
+            family.labels(model)
+        self.latency_saved.labels(model)
 
     def answered(self, status: int) -> None:
         self.requests.labels(self.model, str(status)).inc()

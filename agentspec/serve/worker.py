@@ -106,6 +106,7 @@ class Job:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     steps: list[Step] = field(default_factory=list)  # the passes seen so far
+    closed_early: bool = False  # cancelled before the reply finished
 
     def run(self) -> None:
         """The whole request, in the calling (worker) thread; every outcome ends up on the queue."""
@@ -151,6 +152,7 @@ class Job:
             trace.end()
         measured = time.perf_counter() - started
         if last is None:  # cancelled
+            self.closed_early = True
             self._put("closed", None)
         else:
             self._put("finish", (last, self._figures(trace.enabled, last, measured)))
