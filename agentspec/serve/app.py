@@ -127,6 +127,14 @@ class Server:
         if job.closed_early:
             self.metrics.closed_early.labels(self.engine.model).inc()
 
+    def finished(self, reply: Reply, last: Delta, figures: dict[str, Any], started: float) -> dict[str, Any]:
+        """The response's ``metrics`` of a finished reply, counted in ``/metrics`` too."""
+        metrics = reply.metrics(last, figures)
+        spec_steps = metrics["speculative_decoding"]["num_spec_steps"]
+        duration = time.perf_counter() - started
+        self.metrics.decoded(last.stats, spec_steps, figures["latency_saved_s"], duration)
+        return metrics
+
     def close(self) -> None:
         """Stop every decode after its pass in progress (each saves its verified part) and wait."""
         for job in list(self.jobs):
@@ -205,15 +213,10 @@ async def _whole(server: Server, job: Job, request: Request, started: float) -> 
         watcher.cancel()
     if delta is None or figures is None:  # the client went away: nobody reads this
         raise P.APIError(499, "the client closed the request", code="client_closed")
-    metrics = reply.metrics(delta, figures)
-    server.metrics.decoded(
-        delta.stats, metrics["speculative_decoding"]["num_spec_steps"], figures["latency_saved_s"],
-        time.perf_counter() - started,
-    )  # fmt: skip
-    text = "".join(reply.text)
-    model = server.engine.model
+    metrics = server.finished(reply, delta, figures, started)
+    text, reason = "".join(reply.text), reply.finish_reason(delta)
     return P.completion(
-        P.new_completion_id(), model, text, reply.calls, reply.finish_reason(delta), delta.stats, metrics
+        P.new_completion_id(), server.engine.model, text, reply.calls, reason, delta.stats, metrics
     )
 
 
@@ -230,13 +233,9 @@ async def _sse(server: Server, events: AsyncIterator, chunks: P.Chunks, started:
             if calls:
                 yield chunks.calls([c for _, c in calls], calls[0][0])
             if figures is not None:
-                metrics = reply.metrics(delta, figures)
+                metrics = server.finished(reply, delta, figures, started)
                 for event in chunks.finish(reply.finish_reason(delta), delta.stats, metrics):
                     yield event
-                spec_steps = metrics["speculative_decoding"]["num_spec_steps"]
-                server.metrics.decoded(
-                    delta.stats, spec_steps, figures["latency_saved_s"], time.perf_counter() - started
-                )
     except P.APIError as exc:
         yield chunks.error(exc)
     except Exception as exc:

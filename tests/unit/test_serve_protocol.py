@@ -8,12 +8,17 @@ the embedded tokenizer answers through FastAPI's TestClient where a route is dri
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from agentspec.cache import PrefixCache
+from agentspec.chat import prepare, reply_deltas
 from agentspec.cli import api_keys
+from agentspec.decode import Step
 from agentspec.models import ModelPair, ensure_default_model
 from agentspec.serve import create_app
 from agentspec.serve import protocol as P
@@ -184,6 +189,42 @@ def test_bearer_keys(pair):
         server.close()
 
 
+def _steps(texts: list[str], last_reason: str | None, stats: DecodeStats) -> list[Step]:
+    steps = [
+        Step(tokens=[1], text=t, drafted=0, accepted=0, prefill=0, seconds=0.0, stats=stats) for t in texts
+    ]
+    steps[-1].finish_reason = last_reason
+    return steps
+
+
+def test_reply_deltas_hold_markup_and_stop_after_the_one_wanted_call():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "hi"}]
+    free = prepare(tokenizer, messages, [tool], None, constrained=False)
+    stats = DecodeStats()
+    out = list(
+        reply_deltas(
+            free, _steps(["Hello", " <tool", "_call>", '{"name": "f"}', "</tool_call>"], "stop", stats), 0.0
+        )
+    )
+    # the tag (and the space before it) is never shown; steps that add nothing to show give no delta
+    assert [d.text for d in out] == ["Hello", ""]
+    assert [d.finish_reason for d in out] == [None, "stop"]
+    (call,) = out[1].calls
+    assert call["function"] == {"name": "f", "arguments": "{}"} and out[1].first_index == 0
+
+    named = prepare(tokenizer, messages, [tool], "f", constrained=False)  # one call wanted
+    stats = DecodeStats()
+    texts = ["<tool_call>", '{"name": "f"}', "</tool_call>", "never read"]
+    out = list(reply_deltas(named, _steps(texts, None, stats), time.perf_counter()))
+    assert out[-1].finish_reason == "stop" == stats.finish_reason and stats.total_time_s >= 0
+    assert [c["function"]["name"] for d in out for c in d.calls] == ["f"]
+    assert "never read" not in "".join(d.text for d in out)
+
+
 @pytest.fixture(scope="module")
 def tiny_smol(tiny_llama, one_thread):
     """A tiny random Llama behind the embedded tokenizer: the chat template, real grammars, fast."""
@@ -216,3 +257,24 @@ def test_routes_errors_and_a_reply_through_the_app(tiny_smol):
         assert text == reply["choices"][0]["message"]["content"]  # greedy: the same reply either way
         metrics = client.get("/metrics", headers=auth).text
         assert 'agentspec_requests_total{model_name="tiny-smol",status="200"} 2.0' in metrics
+
+
+def test_the_core_imports_no_web_framework():
+    code = (
+        "import sys, agentspec, agentspec.chat, agentspec.cli;"
+        "web = ('fastapi', 'starlette', 'uvicorn', 'prometheus_client');"
+        "bad = [m for m in sys.modules if m.split('.')[0] in web];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_serve_verb_options(capsys):
+    from agentspec.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--host", "--port", "--api-key", "--queue-size", "--threads", "--model", "--draft-model"):
+        assert option in text, option
