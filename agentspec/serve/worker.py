@@ -122,6 +122,10 @@ class Job:
 
     def _decode(self, call: Prepared) -> None:
         engine, pair = self.engine, self.engine.pair
+        if self.cancelled.is_set():  # gone before its turn (once in the lock's queue, the first pass runs)
+            self.closed_early = True
+            self._put("closed", None)
+            return
         trace = engine.telemetry.call(
             pair, engine.model, call.config, True, streamed=self.body.stream, parent=self.parent
         )
