@@ -204,7 +204,7 @@ class Job:
 class Admission:
     """The bound on requests in the server: one decoding and ``queue_size`` waiting for the pair.
 
-    Used from the event loop only (a worker leaves through ``loop.call_soon_threadsafe``).
+    Used from the event loop only (a job leaves in its future's done callback, which runs there).
     """
 
     def __init__(self, queue_size: int):
