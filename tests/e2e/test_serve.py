@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -63,7 +64,10 @@ def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [sys.executable, "-m", "agentspec.cli", "serve", "--port", str(port), "--threads", "1"]
     command += ["--queue-size", "1", "--api-key", KEYS[0], "--log-level", "warning"]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "AGENTSPEC_API_KEYS": KEYS[1]}
+    # the server runs the agentspec these tests import (a checkout's, not an installed copy's)
+    root = str(Path(agentspec.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_WAIT_POLICY": "PASSIVE", "AGENTSPEC_API_KEYS": KEYS[1]}
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
