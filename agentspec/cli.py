@@ -1,8 +1,10 @@
-"""`agentspec` command line: fetch the model, answer a prompt, run the demo, distill, bench, calibrate."""
+"""`agentspec` command line: fetch the model, answer a prompt, run the demo, distill, bench, calibrate,
+serve."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -232,6 +234,69 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def api_keys(given: list[str] | None, env: str | None) -> list[str]:
+    """The keys of ``--api-key`` (repeatable) and of ``AGENTSPEC_API_KEYS`` (comma-separated), in order."""
+    keys = [*(given or []), *(env or "").split(",")]
+    return list(dict.fromkeys(k.strip() for k in keys if k.strip()))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the pair over OpenAI's chat-completions API (``agentspec.serve``) until interrupted."""
+    try:
+        import uvicorn
+
+        from agentspec.serve import create_app
+        from agentspec.serve.app import DEFAULT_QUEUE_SIZE
+    except ImportError as exc:
+        print(
+            f"agentspec serve: {exc}; install the extra: pip install 'agentspec-decode[serve]'",
+            file=sys.stderr,
+        )
+        return 2
+    import torch
+
+    from agentspec import load_pair
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    draft = False if args.no_draft_model else args.draft_model
+    pair = load_pair(args.model, draft, device=args.device, dtype=args.dtype)
+    keys = api_keys(args.api_key, os.environ.get("AGENTSPEC_API_KEYS"))
+    queue_size = DEFAULT_QUEUE_SIZE if args.queue_size is None else args.queue_size
+    app = create_app(pair, api_keys=keys, queue_size=queue_size, drafter=args.drafter)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the pair (the `serve` extra)")
+    s.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default=None, help="target: hub id, folder or .gguf (default: embedded)")
+    s.add_argument("--draft-model", default=None, help="draft model (default: the embedded target's own)")
+    s.add_argument("--no-draft-model", action="store_true", help="no draft model (suffix/n-gram drafts only)")
+    s.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
+    s.add_argument("--dtype", help="float32, bfloat16, auto (default: bfloat16 on CUDA, float32 on CPU)")
+    s.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    s.add_argument(
+        "--drafter", default="auto", help="auto, suffix, model, model_scheduled, prompt_lookup, none"
+    )
+    s.add_argument(
+        "--api-key",
+        action="append",
+        help="a key requests must bear (Authorization: Bearer); repeatable; also AGENTSPEC_API_KEYS=k1,k2",
+    )
+    s.add_argument(
+        "--queue-size",
+        type=int,
+        help="requests that may wait behind the one decoding; more get 503 (default: agentspec.serve's, 8)",
+    )
+    s.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    s.set_defaults(func=cmd_serve)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_distill(sub)
     _add_bench(sub)
     _add_calibrate(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

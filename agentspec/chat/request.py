@@ -19,6 +19,7 @@ What the grammar allows:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 from agentspec import grammar as G
 from agentspec.chat.prompt import Prompt, render
 from agentspec.chat.tool_calls import OPEN, Event, ToolCallSplitter
+from agentspec.config import GenerationConfig
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,17 @@ class PreparedRequest:
         if self.prompt.forced and not constraint.accept_text(self.prompt.forced):
             raise ValueError(f"the forced start of the reply does not fit {self.grammar.description}")
         return constraint
+
+    def fitted(self, pair: Any, config: GenerationConfig) -> GenerationConfig:
+        """``config`` for this request on ``pair``: its stop strings added, its length cut to the room
+        the prompt leaves in the context window (at least one token: a full window is refused later,
+        by the loop, with the reason)."""
+        room = pair.max_context - len(self.prompt.ids)
+        return dataclasses.replace(
+            config,
+            stop=config.stop + self.stop,
+            max_new_tokens=max(1, min(config.max_new_tokens, room)),
+        )
 
 
 def prepare(

@@ -1,0 +1,16 @@
+"""``agentspec serve``: the OpenAI chat-completions API over one model pair (FastAPI + uvicorn).
+
+The engine side of the HTTP path, part of the core (its web dependencies are the ``serve`` extra:
+``pip install 'agentspec-decode[serve]'``). A request goes through the same request layer as the
+in-process LangChain chat model (``agentspec.chat``: ``prepare``, ``reply_deltas``), so greedy
+replies over HTTP are the ones ``ChatSpecDecode`` gives for the same messages.
+
+protocol.py  the wire format: the request model, response and chunk bodies, vLLM's metrics names
+worker.py    one request's decode on a worker thread of its own; the bound on admitted requests
+metrics.py   Prometheus counters at /metrics (usage is counted on the server)
+app.py       create_app(pair, ...): routes, API keys and tenants, errors, streaming
+"""
+
+from agentspec.serve.app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,346 @@
+"""The FastAPI app: OpenAI's chat-completions API over one model pair (``create_app``).
+
+Routes: ``POST /v1/chat/completions`` (whole or streamed as SSE), ``GET /v1/models``, ``GET /health``
+and ``GET /metrics`` (Prometheus). With API keys, every route but ``/health`` wants
+``Authorization: Bearer <key>`` (401 otherwise, as vLLM's ``--api-key``).
+
+Tenants: each API key, and within it each request's ``cache_salt`` (vLLM's field), is a namespace
+of its own for the prefix cache and the drafting memory (``agentspec.stream``'s ``namespace``), so
+one tenant's prompts never speed up another's calls nor show through their timing. Requests without
+a key or a salt share the default namespace, as in-process calls do. The queue in front of the pair
+is shared: one request decodes at a time, ``queue_size`` more wait, and a request past those gets
+503 with ``Retry-After``.
+
+Tracing: the W3C ``traceparent`` (and ``tracestate``) of a request is the parent of the call's span
+(``agentspec.telemetry``), so the span joins the caller's trace. Usage is counted on this side, in
+the span's metrics and in ``/metrics``; a client must not count the same tokens again.
+
+Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request
+that cannot be served as sent (FastAPI's 422 included: OpenAI clients expect 400), 401, 404 for
+another model's name, 503 for a full queue, 500 for a failure while decoding (inside a stream: an
+error event, its status line being already sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import propagate
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentspec.chat import Delta, speculative_metadata
+from agentspec.models import ModelPair
+from agentspec.serve import protocol as P
+from agentspec.serve.metrics import CONTENT_TYPE, ServerMetrics
+from agentspec.serve.worker import Admission, Engine, Job
+from agentspec.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUEUE_SIZE = 8  # requests that may wait for the pair behind the one decoding
+RETRY_AFTER_S = 1  # a full queue's hint: a request decodes in seconds here
+
+
+def key_id(key: str) -> str:
+    """A tenant's name for an API key: its hash, so the key itself is kept nowhere but in the check."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def namespace(tenant: str | None, salt: str | None) -> str | None:
+    """The prefix-cache namespace and drafting memory of a key's tenant and a request's salt (None:
+    the shared default). A salt under one key never meets the same salt under another."""
+    return None if tenant is None and salt is None else json.dumps([tenant, salt])
+
+
+class Server:
+    """One app's state: the engine, the keys, the bound on requests, the executor, the metrics."""
+
+    def __init__(self, engine: Engine, api_keys: Sequence[str], queue_size: int):
+        self.engine = engine
+        self.keys = {key_id(k): k for k in api_keys if k}
+        self.admission = Admission(queue_size)
+        self.metrics = ServerMetrics(engine.model)
+        # a thread for every admitted request: none waits for a thread, only for the pair's lock
+        self.executor = ThreadPoolExecutor(self.admission.limit, thread_name_prefix="agentspec-decode")
+        self.jobs: set[Job] = set()
+        self.started = int(time.time())
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The tenant an ``Authorization`` header names (None: no keys are required); 401 otherwise."""
+        if not self.keys:
+            return None
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer" and given:
+            for tenant, key in self.keys.items():
+                if hmac.compare_digest(given.strip().encode(), key.encode()):
+                    return tenant
+        raise P.APIError(
+            401,
+            "Missing or incorrect API key: send Authorization: Bearer <key>",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    def admit(self, body: P.ChatCompletionRequest, request: Request, tenant: str | None) -> Job:
+        """The request's job, started on a worker thread; 400/404/503 when it cannot be."""
+        bad = body.unsupported()
+        if bad is not None:
+            raise P.APIError(400, f"{bad} is not supported by this server", param=bad, code="unsupported")
+        if body.model is not None and body.model != self.engine.model:
+            raise P.APIError(
+                404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
+            )
+        if not self.admission.enter():
+            raise P.APIError(
+                503,
+                f"the server's queue is full ({self.admission.limit} requests admitted); retry later",
+                type="server_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.metrics.in_flight.labels(self.engine.model).inc()
+        loop = asyncio.get_running_loop()
+        job = Job(
+            self.engine, body, namespace(tenant, body.cache_salt), propagate.extract(request.headers), loop
+        )
+        self.jobs.add(job)
+        done = loop.run_in_executor(self.executor, job.run)
+        done.add_done_callback(lambda _: self._left(job))
+        return job
+
+    def _left(self, job: Job) -> None:
+        self.jobs.discard(job)
+        self.admission.leave()
+        self.metrics.in_flight.labels(self.engine.model).dec()
+        if job.closed_early:
+            self.metrics.closed_early.labels(self.engine.model).inc()
+
+    def finished(self, reply: Reply, last: Delta, figures: dict[str, Any], started: float) -> dict[str, Any]:
+        """The response's ``metrics`` of a finished reply, counted in ``/metrics`` too."""
+        metrics = reply.metrics(last, figures)
+        spec_steps = metrics["speculative_decoding"]["num_spec_steps"]
+        duration = time.perf_counter() - started
+        self.metrics.decoded(last.stats, spec_steps, figures["latency_saved_s"], duration)
+        return metrics
+
+    def close(self) -> None:
+        """Stop every decode after its pass in progress (each saves its verified part) and wait."""
+        for job in list(self.jobs):
+            job.cancelled.set()
+        self.executor.shutdown(wait=True)
+
+
+class Reply:
+    """A reply being put together from its deltas: content, valid calls, invalid calls."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.calls: list[dict] = []
+        self.invalid: list[dict] = []  # not OpenAI's: reported under metrics.agentspec
+
+    def add(self, delta: Delta) -> list[dict]:
+        """Take ``delta``; returns its valid calls, each with its index among the reply's valid calls."""
+        self.text.append(delta.text)
+        fresh = []
+        for call in delta.calls:
+            if "error" in call:
+                self.invalid.append(call)
+            else:
+                fresh.append((len(self.calls), call))
+                self.calls.append(call)
+        return fresh
+
+    def finish_reason(self, delta: Delta) -> str:
+        return P.finish_reason(delta.finish_reason or "stop", self.calls)
+
+    def metrics(self, delta: Delta, figures: dict[str, Any]) -> dict[str, Any]:
+        stats = delta.stats
+        own = {
+            **speculative_metadata(stats),
+            "cached_tokens": stats.cached_tokens,
+            "prefill_tokens": stats.prefill_tokens,
+            "forced_tokens": stats.forced_tokens,
+            "time_to_first_token_s": stats.time_to_first_token_s,
+            **{k: v for k, v in figures.items() if k != "longest_draft"},
+        }
+        if self.invalid:
+            own["invalid_tool_calls"] = self.invalid
+        return {
+            "speculative_decoding": P.speculative_decoding(stats, figures["longest_draft"]),
+            "agentspec": own,
+        }
+
+
+async def _first(events: AsyncIterator) -> None:
+    """Wait for the job's "ready" (an error in preparing the request is raised here, before any
+    status line is sent)."""
+    try:
+        await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+async def _until_disconnected(request: Request, job: Job) -> None:
+    """Cancel ``job`` when the client of a whole (not streamed) reply goes away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+
+
+async def _whole(server: Server, job: Job, request: Request, started: float) -> dict[str, Any]:
+    reply, events = Reply(), job.events()
+    watcher = asyncio.ensure_future(_until_disconnected(request, job))
+    delta, figures = None, None
+    try:
+        await _first(events)
+        async for kind, value in events:
+            delta, figures = value if kind == "finish" else (value, None)
+            reply.add(delta)
+    finally:
+        watcher.cancel()
+    if delta is None or figures is None:  # the client went away: nobody reads this
+        raise P.APIError(499, "the client closed the request", code="client_closed")
+    metrics = server.finished(reply, delta, figures, started)
+    text, reason = "".join(reply.text), reply.finish_reason(delta)
+    return P.completion(
+        P.new_completion_id(), server.engine.model, text, reply.calls, reason, delta.stats, metrics
+    )
+
+
+async def _sse(server: Server, events: AsyncIterator, chunks: P.Chunks, started: float) -> AsyncIterator[str]:
+    """The reply as SSE events; a client that goes away cancels this generator, and so the job."""
+    reply = Reply()
+    yield chunks.start()
+    try:
+        async for kind, value in events:
+            delta, figures = value if kind == "finish" else (value, None)
+            calls = reply.add(delta)
+            if delta.text:
+                yield chunks.text(delta.text)
+            if calls:
+                yield chunks.calls([c for _, c in calls], calls[0][0])
+            if figures is not None:
+                metrics = server.finished(reply, delta, figures, started)
+                for event in chunks.finish(reply.finish_reason(delta), delta.stats, metrics):
+                    yield event
+    except P.APIError as exc:
+        yield chunks.error(exc)
+    except Exception as exc:
+        log.exception("decoding failed mid-stream")
+        yield chunks.error(P.APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
+    finally:
+        await events.aclose()
+
+
+def _routes(app: FastAPI, server: Server) -> None:
+    def tenant(request: Request) -> str | None:
+        return server.tenant(request.headers.get("authorization"))
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=[Depends(tenant)])
+    async def models() -> dict:
+        card = {
+            "id": server.engine.model,
+            "object": "model",
+            "created": server.started,
+            "owned_by": "agentspec",
+            "max_model_len": server.engine.pair.max_context,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics", dependencies=[Depends(tenant)])
+    async def metrics() -> Response:
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        body: P.ChatCompletionRequest, request: Request, who: str | None = Depends(tenant)
+    ) -> Any:
+        started = time.perf_counter()
+        job = server.admit(body, request, who)
+        if not body.stream:
+            response = await _whole(server, job, request, started)
+            server.metrics.answered(200)
+            return response
+        events = job.events()
+        await _first(events)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = P.Chunks(P.new_completion_id(), server.engine.model, include_usage)
+        server.metrics.answered(200)
+        return StreamingResponse(_sse(server, events, chunks, started), media_type="text/event-stream")
+
+
+def _error_handlers(app: FastAPI, server: Server) -> None:
+    def answer(exc: P.APIError) -> JSONResponse:
+        server.metrics.answered(exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(P.APIError)
+    async def api_error(request: Request, exc: P.APIError) -> JSONResponse:
+        return answer(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        where = f" ({param})" if param else ""
+        return answer(P.APIError(400, f"{first.get('msg', 'invalid request')}{where}", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return answer(P.APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return answer(P.APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
+
+
+def create_app(
+    pair: ModelPair,
+    *,
+    api_keys: Sequence[str] = (),
+    queue_size: int = DEFAULT_QUEUE_SIZE,
+    drafter: Any = "auto",
+    model_name: str | None = None,
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
+) -> FastAPI:
+    """An OpenAI-compatible app over ``pair`` (see the module doc).
+
+    ``api_keys``: the keys a request may bear (none: no key is asked for); ``queue_size``: requests
+    that may wait behind the one decoding; ``drafter``: ``agentspec.stream``'s, as ``ChatSpecDecode``
+    takes it; ``model_name``: the name requests give and responses carry (default: the pair's);
+    ``tracer_provider`` / ``meter_provider``: where calls are recorded (None: the global ones).
+    """
+    engine = Engine(pair, model_name or pair.name, drafter, Telemetry(tracer_provider, meter_provider))
+    server = Server(engine, api_keys, queue_size)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, server.close)
+
+    # no /docs or /openapi.json: every route but /health is behind the keys
+    app = FastAPI(title="agentspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.server = server
+    _routes(app, server)
+    _error_handlers(app, server)
+    return app

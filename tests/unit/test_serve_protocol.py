@@ -1,0 +1,280 @@
+"""The server's pure parts: vLLM's per-request metrics from agentspec's stats, the request model's
+checks, the response and chunk bodies, tenants' namespaces, the bound on admitted requests, API keys.
+
+The server itself, on the real model, is ``tests/e2e/test_serve.py``; here a tiny random Llama behind
+the embedded tokenizer answers through FastAPI's TestClient where a route is driven.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from agentspec.cache import PrefixCache
+from agentspec.chat import prepare, reply_deltas
+from agentspec.cli import api_keys
+from agentspec.decode import Step
+from agentspec.models import ModelPair, ensure_default_model
+from agentspec.serve import create_app
+from agentspec.serve import protocol as P
+from agentspec.serve.app import Server, key_id, namespace
+from agentspec.serve.worker import Admission, Engine, generation_config
+from agentspec.stats import DecodeStats
+from agentspec.telemetry import Telemetry
+
+
+def _stats() -> DecodeStats:
+    stats = DecodeStats(drafter="auto", prompt_tokens=20, cached_tokens=12, output_tokens=9)
+    stats.observe_step(0, 0)  # two passes with no draft: source "none", not vLLM spec steps
+    stats.observe_step(0, 0)
+    stats.observe_step(4, 1, "suffix")
+    stats.observe_step(4, 4, "suffix")
+    stats.observe_step(2, 0, "model")
+    return stats
+
+
+def test_speculative_decoding_has_vllms_meanings():
+    stats = _stats()
+    assert stats.acceptance_histogram == [3, 1, 0, 0, 1]  # agentspec's: every verify pass
+    m = P.speculative_decoding(stats, num_spec_tokens=4)
+    assert m == {
+        "num_draft_tokens": 10,
+        "num_accepted_draft_tokens": 5,
+        "num_spec_steps": 3,  # passes over at least one draft token
+        "num_spec_tokens": 4,
+        "mean_acceptance_length": pytest.approx(1 + 5 / 3),  # the bonus token included, per spec step
+        "draft_acceptance_rate": 0.5,
+        "acceptance_histogram": [1, 1, 0, 0, 1],  # spec steps by accepted count, k + 1 entries
+    }
+    assert sum(m["acceptance_histogram"]) == m["num_spec_steps"]
+    longer = P.speculative_decoding(stats, num_spec_tokens=6)["acceptance_histogram"]
+    assert longer == [1, 1, 0, 0, 1, 0, 0]
+    # a draft length under the histogram's reach cannot shorten it
+    assert P.speculative_decoding(stats, num_spec_tokens=2)["num_spec_tokens"] == 4
+
+
+def test_speculative_decoding_of_plain_decoding():
+    stats = DecodeStats(prompt_tokens=5, output_tokens=3)
+    for _ in range(3):
+        stats.observe_step(0, 0)
+    m = P.speculative_decoding(stats, num_spec_tokens=0)
+    assert (m["num_spec_steps"], m["num_draft_tokens"], m["acceptance_histogram"]) == (0, 0, [0])
+    assert (m["mean_acceptance_length"], m["draft_acceptance_rate"]) == (1.0, 0.0)
+
+
+def test_usage_carries_cached_tokens():
+    assert P.usage(_stats()) == {
+        "prompt_tokens": 20,
+        "completion_tokens": 9,
+        "total_tokens": 29,
+        "prompt_tokens_details": {"cached_tokens": 12},
+    }
+
+
+def _request(**fields) -> P.ChatCompletionRequest:
+    return P.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+def test_request_fields_this_server_cannot_honour():
+    assert _request().unsupported() is None
+    assert _request(n=1, presence_penalty=0, logprobs=False, user="u", store=False).unsupported() is None
+    assert _request(n=2).unsupported() == "n"
+    assert _request(logprobs=True).unsupported() == "logprobs"
+    assert _request(top_logprobs=3).unsupported() == "top_logprobs"
+    assert _request(frequency_penalty=0.5).unsupported() == "frequency_penalty"
+    assert _request(presence_penalty=-1).unsupported() == "presence_penalty"
+    assert _request(logit_bias={"5": 10}).unsupported() == "logit_bias"
+
+
+def test_request_length_stop_and_temperature():
+    assert _request(max_tokens=5).length_limit == 5
+    assert _request(max_tokens=5, max_completion_tokens=7).length_limit == 7  # OpenAI's current name wins
+    assert _request(stop="x").stop_strings == ("x",)
+    assert _request(stop=["a", "b"]).stop_strings == ("a", "b")
+    assert generation_config(_request()).temperature == P.DEFAULT_TEMPERATURE == 1.0  # OpenAI's default
+    config = generation_config(_request(temperature=0, top_p=0.5, seed=3, stop="z", max_tokens=4))
+    assert (config.temperature, config.top_p, config.seed, config.stop, config.max_new_tokens) == (
+        0,
+        0.5,
+        3,
+        ("z",),
+        4,
+    )
+
+
+def test_message_and_finish_reason():
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert P.message("", [call]) == {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert P.message("", []) == {"role": "assistant", "content": ""}
+    assert P.finish_reason("stop", [call]) == "tool_calls"
+    assert P.finish_reason("length", [call]) == "length"  # cut: the calls so far are still sent
+    assert P.finish_reason("stop", []) == "stop"
+
+
+def _data(event: str) -> dict | str:
+    assert event.startswith("data: ") and event.endswith("\n\n"), event
+    body = event[len("data: ") : -2]
+    return body if body == "[DONE]" else json.loads(body)
+
+
+def test_chunks_are_sse_events_in_openais_shape():
+    chunks = P.Chunks("chatcmpl-1", "m", include_usage=True)
+    start = _data(chunks.start())
+    assert start["object"] == "chat.completion.chunk" and start["id"] == "chatcmpl-1"
+    assert start["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    ]
+    assert _data(chunks.text("Hel"))["choices"][0]["delta"] == {"content": "Hel"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    entry = _data(chunks.calls([call], 2))["choices"][0]["delta"]["tool_calls"][0]
+    assert entry == {"index": 2, **call}
+    finish, usage, done = (_data(e) for e in chunks.finish("stop", _stats(), {"speculative_decoding": {}}))
+    assert finish["choices"][0]["finish_reason"] == "stop" and finish["metrics"] == {
+        "speculative_decoding": {}
+    }
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 12}
+    assert done == "[DONE]"
+    quiet = P.Chunks("chatcmpl-1", "m", include_usage=False).finish("length", _stats(), {})
+    assert len(quiet) == 2 and _data(quiet[-1]) == "[DONE]"
+
+
+def test_error_body_is_openais():
+    exc = P.APIError(400, "bad", param="messages")
+    assert exc.body() == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "messages", "code": None}
+    }
+
+
+def test_namespaces_keep_keys_and_salts_apart():
+    assert namespace(None, None) is None  # the shared default, as in-process calls use
+    names = {namespace(t, s) for t in (None, "a", "b") for s in (None, "x", "y")} - {None}
+    assert len(names) == 8
+    assert namespace("a", "x") != namespace("ax", None)
+    assert key_id("secret") == key_id("secret") != key_id("secret2")
+    assert "secret" not in key_id("secret")
+
+
+def test_admission_bounds_requests():
+    a = Admission(queue_size=1)
+    assert a.enter() and a.enter() and not a.enter()  # one decoding, one waiting
+    a.leave()
+    assert a.enter()
+    with pytest.raises(ValueError):
+        Admission(-1)
+
+
+def test_api_keys_from_options_and_environment():
+    assert api_keys(None, None) == []
+    assert api_keys(["k1", " k2 "], "k3, k1,,") == ["k1", "k2", "k3"]
+
+
+def test_bearer_keys(pair):
+    server = Server(Engine(pair, "tiny", "auto", Telemetry()), ["k1", "k2"], queue_size=0)
+    try:
+        assert server.tenant("Bearer k2") == key_id("k2")
+        assert server.tenant("bearer k1") == key_id("k1")
+        for header in (None, "", "Bearer", "Bearer k3", "Basic k1", "k1"):
+            with pytest.raises(P.APIError) as err:
+                server.tenant(header)
+            assert err.value.status == 401 and err.value.code == "invalid_api_key"
+        open_server = Server(Engine(pair, "tiny", "auto", Telemetry()), [], queue_size=0)
+        assert open_server.tenant(None) is None
+        open_server.close()
+    finally:
+        server.close()
+
+
+def _steps(texts: list[str], last_reason: str | None, stats: DecodeStats) -> list[Step]:
+    steps = [
+        Step(tokens=[1], text=t, drafted=0, accepted=0, prefill=0, seconds=0.0, stats=stats) for t in texts
+    ]
+    steps[-1].finish_reason = last_reason
+    return steps
+
+
+def test_reply_deltas_hold_markup_and_stop_after_the_one_wanted_call():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "hi"}]
+    free = prepare(tokenizer, messages, [tool], None, constrained=False)
+    stats = DecodeStats()
+    out = list(
+        reply_deltas(
+            free, _steps(["Hello", " <tool", "_call>", '{"name": "f"}', "</tool_call>"], "stop", stats), 0.0
+        )
+    )
+    # the tag (and the space before it) is never shown; steps that add nothing to show give no delta
+    assert [d.text for d in out] == ["Hello", ""]
+    assert [d.finish_reason for d in out] == [None, "stop"]
+    (call,) = out[1].calls
+    assert call["function"] == {"name": "f", "arguments": "{}"} and out[1].first_index == 0
+
+    named = prepare(tokenizer, messages, [tool], "f", constrained=False)  # one call wanted
+    stats = DecodeStats()
+    texts = ["<tool_call>", '{"name": "f"}', "</tool_call>", "never read"]
+    out = list(reply_deltas(named, _steps(texts, None, stats), time.perf_counter()))
+    assert out[-1].finish_reason == "stop" == stats.finish_reason and stats.total_time_s >= 0
+    assert [c["function"]["name"] for d in out for c in d.calls] == ["f"]
+    assert "never read" not in "".join(d.text for d in out)
+
+
+@pytest.fixture(scope="module")
+def tiny_smol(tiny_llama, one_thread):
+    """A tiny random Llama behind the embedded tokenizer: the chat template, real grammars, fast."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    model = tiny_llama(5, vocab_size=len(tokenizer), max_positions=1024)
+    return ModelPair(target=model, tokenizer=tokenizer, name="tiny-smol", prefix_cache=PrefixCache(64 << 20))
+
+
+def test_routes_errors_and_a_reply_through_the_app(tiny_smol):
+    with TestClient(create_app(tiny_smol, api_keys=["k"])) as client:
+        auth = {"Authorization": "Bearer k"}
+        assert client.get("/health").status_code == 200
+        denied = client.get("/v1/models")
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/v1/models", headers=auth).json()["data"][0]["id"] == "tiny-smol"
+        bad = client.post("/v1/chat/completions", headers=auth, json={"messages": "hi"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"  # FastAPI said 422
+        other = client.post("/v1/chat/completions", headers=auth, json={"model": "gpt-4", "messages": [{}]})
+        assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+        reply = client.post("/v1/chat/completions", headers=auth, json=body).json()
+        assert reply["usage"]["completion_tokens"] == 3 and reply["choices"][0]["finish_reason"] == "length"
+        assert set(reply["metrics"]) == {"speculative_decoding", "agentspec"}
+        streamed = client.post("/v1/chat/completions", headers=auth, json={**body, "stream": True})
+        events = [_data(line + "\n\n") for line in streamed.text.strip().split("\n\n")]
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+        assert text == reply["choices"][0]["message"]["content"]  # greedy: the same reply either way
+        metrics = client.get("/metrics", headers=auth).text
+        assert 'agentspec_requests_total{model_name="tiny-smol",status="200"} 2.0' in metrics
+
+
+def test_the_core_imports_no_web_framework():
+    code = (
+        "import sys, agentspec, agentspec.chat, agentspec.cli;"
+        "web = ('fastapi', 'starlette', 'uvicorn', 'prometheus_client');"
+        "bad = [m for m in sys.modules if m.split('.')[0] in web];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_serve_verb_options(capsys):
+    from agentspec.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--host", "--port", "--api-key", "--queue-size", "--threads", "--model", "--draft-model"):
+        assert option in text, option
