@@ -50,6 +50,7 @@ from agentspec.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_SIZE = 8  # requests that may wait for the pair behind the one decoding
+SESSION_HEADER = "x-session-id"  # the caller's conversation id, as routers read it for session affinity
 RETRY_AFTER_S = 1  # a full queue's hint: a request decodes in seconds here
 
 
@@ -113,7 +114,12 @@ class Server:
         self.metrics.in_flight.labels(self.engine.model).inc()
         loop = asyncio.get_running_loop()
         job = Job(
-            self.engine, body, namespace(tenant, body.cache_salt), propagate.extract(request.headers), loop
+            self.engine,
+            body,
+            namespace(tenant, body.cache_salt),
+            propagate.extract(request.headers),
+            loop,
+            conversation_id=request.headers.get(SESSION_HEADER) or None,
         )
         self.jobs.add(job)
         done = loop.run_in_executor(self.executor, job.run)
@@ -215,9 +221,7 @@ async def _whole(server: Server, job: Job, request: Request, started: float) -> 
         raise P.APIError(499, "the client closed the request", code="client_closed")
     metrics = server.finished(reply, delta, figures, started)
     text, reason = "".join(reply.text), reply.finish_reason(delta)
-    return P.completion(
-        P.new_completion_id(), server.engine.model, text, reply.calls, reason, delta.stats, metrics
-    )
+    return P.completion(job.response_id, server.engine.model, text, reply.calls, reason, delta.stats, metrics)
 
 
 async def _sse(server: Server, events: AsyncIterator, chunks: P.Chunks, started: float) -> AsyncIterator[str]:
@@ -281,7 +285,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         events = job.events()
         await _first(events)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = P.Chunks(P.new_completion_id(), server.engine.model, include_usage)
+        chunks = P.Chunks(job.response_id, server.engine.model, include_usage)
         server.metrics.answered(200)
         return StreamingResponse(_sse(server, events, chunks, started), media_type="text/event-stream")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -107,10 +106,6 @@ class APIError(Exception):
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error object, which the openai client reads into its exceptions."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def new_completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
 
 
 def usage(stats: DecodeStats) -> dict[str, Any]:

@@ -27,7 +27,9 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentspec.chat import Delta, PreparedRequest, prepare, reply_deltas
+from opentelemetry.trace import SpanKind
+
+from agentspec.chat import Delta, PreparedRequest, new_response_id, prepare, reply_deltas
 from agentspec.config import GenerationConfig
 from agentspec.decode import Step, stream
 from agentspec.grammar import Constraint
@@ -107,6 +109,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     steps: list[Step] = field(default_factory=list)  # the passes seen so far
     closed_early: bool = False  # cancelled before the reply finished
+    conversation_id: str | None = None  # the caller's session (its X-Session-ID header), on the span
+    response_id: str = field(default_factory=new_response_id)  # the response's id, on the span too
 
     def run(self) -> None:
         """The whole request, in the calling (worker) thread; every outcome ends up on the queue."""
@@ -127,7 +131,16 @@ class Job:
             self._put("closed", None)
             return
         trace = engine.telemetry.call(
-            pair, engine.model, call.config, True, streamed=self.body.stream, parent=self.parent
+            pair,
+            engine.model,
+            call.config,
+            True,
+            streamed=self.body.stream,
+            parent=self.parent,
+            conversation_id=self.conversation_id,
+            response_id=self.response_id,
+            request=call.request,
+            kind=SpanKind.SERVER,
         )
         started = time.perf_counter()
         steps = trace.watch(

@@ -199,6 +199,7 @@ class Telemetry:
         conversation_id: str | None = None,
         response_id: str | None = None,
         request: PreparedRequest | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
     ) -> CallTrace:
         """The ``CallTrace`` of one call (the arguments are ``CallTrace``'s), with the switches as set now."""
         tracer, instruments = self._resolved()
@@ -215,6 +216,7 @@ class Telemetry:
             conversation_id=conversation_id,
             response_id=response_id,
             request=request,
+            kind=kind,
             tracer=tracer,
             instruments=instruments,
             capture_content=capture,
@@ -231,7 +233,8 @@ class CallTrace:
     receives chunks; ``parent`` an OpenTelemetry Context whose span is the parent (None: the
     current one); ``conversation_id`` the caller's thread or session id (None: it has none);
     ``response_id`` the id the caller gives the reply; ``request`` the prepared chat request, for
-    its output type and (with ``capture_content``) its messages and tools; ``tracer`` and
+    its output type and (with ``capture_content``) its messages and tools; ``kind`` the span's kind
+    (INTERNAL for a call in the caller's process, SERVER for one ``agentspec serve`` answers); ``tracer`` and
     ``instruments`` where the call is recorded (``Telemetry.call`` resolves them; both None:
     nothing is); ``latest``: the draft conventions' names (``attributes``). Looking up the pair's
     CostModel runs no model pass. The reply's content is told with ``reply``.
@@ -249,6 +252,7 @@ class CallTrace:
         conversation_id: str | None = None,
         response_id: str | None = None,
         request: PreparedRequest | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
         tracer: Any = None,
         instruments: Instruments | None = None,
         capture_content: bool = False,
@@ -264,7 +268,7 @@ class CallTrace:
         self.cost = cost_model(pair) if pair is not None else None
         self.span = None
         if tracer is not None:
-            span = tracer.start_span(A.span_name(model), context=parent, kind=SpanKind.INTERNAL)
+            span = tracer.start_span(A.span_name(model), context=parent, kind=kind)
             if span.is_recording():
                 output_type = request.output_type if request is not None else None
                 span.set_attributes(

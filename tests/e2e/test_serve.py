@@ -363,6 +363,7 @@ def test_traceparent_makes_the_servers_span_a_child(local):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
 
     from agentspec.serve import create_app
 
@@ -372,9 +373,8 @@ def test_traceparent_makes_the_servers_span_a_child(local):
     trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
     with TestClient(create_app(local, tracer_provider=provider)) as client:
-        traced = client.post(
-            "/v1/chat/completions", json=body, headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}
-        )
+        headers = {"traceparent": f"00-{trace_id}-{parent_id}-01", "X-Session-ID": "thread-7"}
+        traced = client.post("/v1/chat/completions", json=body, headers=headers)
         untraced = client.post("/v1/chat/completions", json=body)
     assert traced.status_code == untraced.status_code == 200
     child, root = exporter.get_finished_spans()
@@ -383,3 +383,8 @@ def test_traceparent_makes_the_servers_span_a_child(local):
     assert format(child.parent.span_id, "016x") == parent_id and child.parent.is_remote
     assert root.parent is None  # no traceparent: a trace of its own
     assert child.attributes["gen_ai.usage.input_tokens"] == traced.json()["usage"]["prompt_tokens"]
+    assert child.kind == root.kind == SpanKind.SERVER
+    # the session the caller named, and the id its response carries
+    assert child.attributes["gen_ai.conversation.id"] == "thread-7"
+    assert "gen_ai.conversation.id" not in root.attributes
+    assert child.attributes["gen_ai.response.id"] == traced.json()["id"]
