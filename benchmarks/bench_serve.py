@@ -19,19 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_core.py
 
-import httpx  # noqa: E402
 import openai  # noqa: E402
 import torch  # noqa: E402
 from langchain_core.messages import convert_to_messages  # noqa: E402
@@ -39,11 +34,16 @@ from langchain_core.messages import convert_to_messages  # noqa: E402
 import agentspec  # noqa: E402
 from agentspec.bench.run import environment  # noqa: E402
 from agentspec.chat import parse_reply  # noqa: E402
+from agentspec.serve.process import (  # noqa: E402
+    ServerProcess,
+    agentspec_serve_command,
+    checkout_env,
+    free_port,
+)
 from benchmarks.agent_traces import TRACES, calls  # noqa: E402
 from langchain_agentspec import ChatSpecDecode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-STARTUP_TIMEOUT_S = 300
 
 
 def openai_messages(history: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -64,41 +64,6 @@ def openai_messages(history: list[dict[str, str]]) -> list[dict[str, Any]]:
             m = {**m, "tool_call_id": pending.pop(0)}
         out.append(m)
     return out
-
-
-@contextmanager
-def served(threads: int, log_path: Path):
-    """The base URL of an ``agentspec serve`` subprocess on a free loopback port (stopped afterwards)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "agentspec.cli", "serve", "--port", str(port), "--threads", str(threads)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-        try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while not healthy(url):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"agentspec serve did not come up; see {log_path}")
-                time.sleep(0.5)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def in_process(llm: ChatSpecDecode, messages: list[dict]) -> dict[str, Any]:
@@ -205,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     pair = agentspec.load_pair()
     env = environment(pair)  # at the start: the git commit and dirty paths the run used
     llm = ChatSpecDecode(pair=pair, max_tokens=args.max_new_tokens)
-    with served(args.threads, Path(tempfile.gettempdir()) / "agentspec-bench-serve.log") as url:
+    port = free_port()
+    command = agentspec_serve_command(port, "--threads", str(args.threads))
+    with ServerProcess(command, port, env=checkout_env()) as server:
+        url = server.url
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
         warm = [{"role": "user", "content": "Hi"}]  # first-call costs on both sides, outside the timing
         in_process(llm, warm), over_http(client, llm.model_name, warm, 4)

@@ -10,14 +10,9 @@ from an in-memory exporter.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +20,7 @@ from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 import agentspec
+from agentspec.serve.process import ServerProcess, agentspec_serve_command, checkout_env, free_port
 
 openai = pytest.importorskip("openai", reason="the openai client (a dev dependency) is not installed")
 
@@ -44,52 +40,17 @@ def square(x: int) -> int:
 SQUARE = convert_to_openai_tool(square)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The base URL of a running ``agentspec serve`` (stopped, and killed if need be, afterwards)."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [sys.executable, "-m", "agentspec.cli", "serve", "--port", str(port), "--threads", "1"]
-    command += ["--queue-size", "1", "--api-key", KEYS[0], "--log-level", "warning"]
+    port = free_port()
+    command = agentspec_serve_command(port, "--threads", "1", "--queue-size", "1", "--api-key", KEYS[0])
+    command += ["--log-level", "warning"]
     # the server runs the agentspec these tests import (a checkout's, not an installed copy's)
-    root = str(Path(agentspec.__file__).resolve().parent.parent)
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_WAIT_POLICY": "PASSIVE", "AGENTSPEC_API_KEYS": KEYS[1]}
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-        try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while not _healthy(url):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(
-                        f"agentspec serve did not come up ({process.returncode=}); log:\n{tail}"
-                    )
-                time.sleep(0.5)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=30)
+    env = checkout_env({"AGENTSPEC_API_KEYS": KEYS[1]})
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with ServerProcess(command, port, env=env, log=log, startup_timeout_s=STARTUP_TIMEOUT_S) as process:
+        yield process.url
 
 
 @pytest.fixture(scope="module")
