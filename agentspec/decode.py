@@ -416,9 +416,10 @@ def _passes(call: _Call) -> Iterator[Step]:
         if step.finish_reason is not None:
             return
         if call.deadline is not None and time.perf_counter() > call.deadline:
+            n = len(call.out)
             raise DecodeTimeout(
-                f"agentspec: timed out decoding after {call.config.timeout:g} s "
-                f"({len(call.out)} tokens generated; the call's timeout includes the wait for the model)"
+                f"agentspec: timed out decoding after {call.config.timeout:g} s, the wait for the model "
+                f"included ({n} output {'token' if n == 1 else 'tokens'} verified by then)"
             )
 
 

@@ -88,7 +88,8 @@ def test_a_deadline_mid_decode_saves_the_verified_part_and_the_next_call_is_plai
     assert first.finish_reason is None and first.tokens == reference[: len(first.tokens)]
     with pytest.raises(DecodeTimeout, match=r"timed out decoding after 0 s") as err:
         next(steps)
-    assert f"({len(first.tokens)} tokens generated" in str(err.value)
+    n = len(first.tokens)
+    assert f"({n} output {'token' if n == 1 else 'tokens'} verified by then)" in str(err.value)
     assert _lock_is_free(fresh.lock)
     # as for a closed stream: the verified sequence minus its pending last token, for every model
     # the call used (a draft model caught up to the target's tokens)
