@@ -6,7 +6,7 @@ the LangChain chat model, is the distribution ``langchain-agentspec``:
 """
 
 from agentspec.config import GenerationConfig
-from agentspec.decode import GenerationResult, Step, decode, generate, stream
+from agentspec.decode import DecodeTimeout, GenerationResult, Step, decode, generate, stream
 from agentspec.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from agentspec.grammar import Constraint, Grammar, GrammarError
 from agentspec.memory import DeviceOutOfMemory
@@ -16,6 +16,7 @@ from agentspec.stats import DecodeStats
 __all__ = [
     "Constraint",
     "DecodeStats",
+    "DecodeTimeout",
     "DeviceOutOfMemory",
     "Draft",
     "Drafter",

@@ -24,6 +24,10 @@ class GenerationConfig:
     # as draft tokens (verified like any draft)
     jump_forward: bool = True
     eos_token_ids: frozenset[int] | None = None  # None = the model's own EOS ids
+    # seconds the call may take, the wait for the pair's lock included (None = no limit); checked
+    # between passes (a pass is atomic, and the first one always runs, so a retry restores what it
+    # prefilled from the prefix cache); past it the call raises ``agentspec.DecodeTimeout``
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +53,8 @@ class GenerationConfig:
             _check_int("seed", self.seed, low=0)
             if self.seed >= 2**64:
                 raise ValueError(f"seed must be < 2**64, got {self.seed}")
+        if self.timeout is not None:
+            _check_seconds("timeout", self.timeout)
         if not isinstance(self.speculative, bool) or not isinstance(self.jump_forward, bool):
             raise TypeError("speculative and jump_forward must be bools")
         for s in self.stop:
@@ -67,3 +73,10 @@ def _check_int(name: str, value: object, *, low: int) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")

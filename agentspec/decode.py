@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +43,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_CAP = 4  # draft tokens per pass when neither the call nor the drafter sets a cap
 DRAFTER_NAMES = ("auto", "model", "model_scheduled", "suffix", "prompt_lookup", "none")
+
+
+class DecodeTimeout(TimeoutError):
+    """A call ran past its ``GenerationConfig.timeout``: waiting for the pair (another call held its
+    lock), or decoding (checked between passes). The pair, its lock and its prefix cache are ready
+    for the next call; a call timed out while decoding saved its verified part, as a closed stream."""
 
 
 @dataclass
@@ -213,6 +221,7 @@ class _Call:
     draft_cap: int  # the most drafter tokens per pass
     budget: int  # the most output tokens (max_new_tokens, within the context window)
     start: float  # ``time.perf_counter()`` when the call began
+    deadline: float | None  # ``time.perf_counter()`` past which no further pass starts (None: no limit)
     out: list[int] = field(default_factory=list)  # the output so far
     passes: int = 0  # steps yielded so far
 
@@ -228,7 +237,12 @@ class _Call:
         self.drafter = _drop(self.drafter, exc, self.stats)
 
 
-def _begin(pair, ids: list[int], config, drafter, target, grammar, free_memory) -> _Call:
+def _deadline(config: GenerationConfig) -> float | None:
+    """The ``time.perf_counter()`` at which a call starting now times out (None: no limit)."""
+    return None if config.timeout is None else time.perf_counter() + config.timeout
+
+
+def _begin(pair, ids: list[int], config, drafter, target, grammar, free_memory, deadline) -> _Call:
     """A call's state after ``ids`` (checked prompt ids); ``target`` is synced to what it covers of them."""
     start = time.perf_counter()
     target = target if target is not None else ModelState(pair.target)
@@ -261,6 +275,7 @@ def _begin(pair, ids: list[int], config, drafter, target, grammar, free_memory) 
         draft_cap=cap,
         budget=min(config.max_new_tokens, pair.max_context - len(ids)),
         start=start,
+        deadline=deadline,
     )
 
 
@@ -393,12 +408,19 @@ def _one_pass(call: _Call) -> Step:
 
 
 def _passes(call: _Call) -> Iterator[Step]:
-    """The loop: one pass after another until one finishes the call."""
+    """The loop: one pass after another until one finishes the call, or its deadline has passed
+    when the next would start (a finished call returns its reply however late its last pass)."""
     while True:
         step = _one_pass(call)
         yield step
         if step.finish_reason is not None:
             return
+        if call.deadline is not None and time.perf_counter() > call.deadline:
+            n = len(call.out)
+            raise DecodeTimeout(
+                f"agentspec: timed out decoding after {call.config.timeout:g} s, the wait for the model "
+                f"included ({n} output {'token' if n == 1 else 'tokens'} verified by then)"
+            )
 
 
 def decode(
@@ -423,8 +445,9 @@ def decode(
     alone allows is appended without a model guess (it is fed with the next pass), and text the
     grammar forces is proposed as draft tokens.
     """
+    deadline = _deadline(config)
     ids = check_prompt(pair, prompt_ids)
-    yield from _passes(_begin(pair, ids, config, drafter, target, grammar, free_memory))
+    yield from _passes(_begin(pair, ids, config, drafter, target, grammar, free_memory, deadline))
 
 
 def _config(options: dict) -> GenerationConfig:
@@ -502,7 +525,9 @@ def stream(
     ``prefix_cache``: True uses the pair's cache (restore the longest cached prefix, save the
     verified state afterwards), False decodes from scratch (the no-reuse baseline, same loop), or
     pass a ``PrefixCache``. The pair's lock is held while the generator runs; closing the generator
-    early releases it and still saves what was verified.
+    early releases it and still saves what was verified. With ``timeout`` (seconds), the wait for
+    the lock and the decode together are bounded: past it the call raises ``DecodeTimeout``, having
+    released the lock and, when it timed out decoding, saved what was verified as a closed stream does.
 
     ``namespace`` keeps tenants apart: it picks the prefix cache's namespace (a call restores only
     what calls of its own namespace saved) and the drafting memory of earlier outputs
@@ -515,7 +540,8 @@ def stream(
     d = resolve_drafter(pair, drafter, config.speculative, namespace)
     cache = _pick_cache(pair, prefix_cache)
     key = drafter if isinstance(drafter, str) else None  # the drafter's name in pair.draft_health
-    with pair.lock:
+    deadline = _deadline(config)
+    with _holding(pair.lock, config.timeout):
         ids = check_prompt(pair, prompt_ids)
         d, resting = _ready(pair.draft_health, d, key)
         target = _restore(pair, cache, ids, d, namespace) if cache is not None else ModelState(pair.target)
@@ -523,13 +549,13 @@ def stream(
         stats = None
         try:
             free = cache.clear if cache is not None else None
-            for step in _passes(_begin(pair, ids, config, d, target, grammar, free)):
+            for step in _passes(_begin(pair, ids, config, d, target, grammar, free, deadline)):
                 if stats is None:  # one DecodeStats per call, shared by its steps
                     stats = step.stats
                     stats.draft_cooldown = resting
                 yield step
             ended = True
-        except GeneratorExit:
+        except (GeneratorExit, DecodeTimeout):  # the state is whole between passes: saved as verified
             ended = True
             raise
         finally:
@@ -540,6 +566,19 @@ def stream(
                 if stats is not None:  # the new positions are the last ones: count those in the prompt
                     held = len(target.ids) - written
                     stats.cache_creation_tokens = max(0, min(stats.prompt_tokens, len(target.ids)) - held)
+
+
+@contextmanager
+def _holding(lock: threading.RLock, timeout: float | None) -> Iterator[None]:
+    """``lock`` held, waited for at most ``timeout`` seconds (None: as long as it takes)."""
+    if not lock.acquire(timeout=-1 if timeout is None else timeout):
+        raise DecodeTimeout(
+            f"agentspec: timed out after {timeout:g} s waiting for the model: another call holds it"
+        )
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _pick_cache(pair: ModelPair, prefix_cache: Any):

@@ -55,12 +55,12 @@ if TYPE_CHECKING:  # the engine is imported on first local use, through _engine
 # Arguments LangChain's standard tests and callers pass to any chat model; meaningless for a local
 # model, so they are accepted and dropped. Any other unknown argument is an error (a typo would
 # otherwise silently load the default model).
-_IGNORED_INIT_ARGS = {"api_key", "timeout", "max_retries", "streaming", "base_url", "callback_manager"}
+_IGNORED_INIT_ARGS = {"api_key", "max_retries", "streaming", "base_url", "callback_manager"}
 # Per-call arguments LangChain itself may add; dropped.
 _IGNORED_CALL_ARGS = {"stream", "ls_structured_output_format", "structured_output_format"}
 _CALL_OVERRIDES = {
     "temperature", "top_p", "top_k", "max_tokens", "seed", "speculative", "max_draft_tokens",
-    "drafter", "prefix_cache", "constrained", "jump_forward",
+    "drafter", "prefix_cache", "constrained", "jump_forward", "timeout",
 }  # fmt: skip
 
 # Pairs loaded by ChatSpecDecode instances, keyed by what was asked for: instances with the same
@@ -171,6 +171,11 @@ class ChatSpecDecode(BaseChatModel):
 
     seed: int | None = None
     """Seed for sampling: the same seed gives the same output."""
+
+    timeout: float | None = None
+    """Seconds a call may take, the wait for the model included (another call may hold it); None:
+    no limit. Past it the call raises ``agentspec.DecodeTimeout`` (a ``TimeoutError``) and the model,
+    its lock and its prefix cache are ready for the next call. Checked between decoding passes."""
 
     device: str | None = None
     """Where the model runs ("cpu", "cuda", "cuda:1"). None: CUDA if available, else CPU."""
@@ -462,6 +467,7 @@ class ChatSpecDecode(BaseChatModel):
             num_draft_tokens=get("max_draft_tokens", self.max_draft_tokens),
             speculative=speculative,
             jump_forward=speculative if jump_forward is None else jump_forward,
+            timeout=get("timeout", self.timeout),
         )
 
     def _prefix_cache(self, setting: bool | int) -> Any:
