@@ -229,16 +229,19 @@ def baseline_seconds(cost: CostModel, stats: DecodeStats) -> float:
 
 
 def _fit_prefill(points: list[tuple[int, float]]) -> tuple[float, float, float]:
-    """Least squares p0 + p1 n + p2 n^2 through (n, seconds); linear when the square comes out < 0."""
+    """Least squares p0 + p1 n + p2 n^2 through (n, seconds), every coefficient >= 0: linear when the
+    square comes out < 0, through the origin when the fixed cost does (noise: no pass costs < 0)."""
     ns = torch.tensor([float(n) for n, _ in points], dtype=torch.float64)
     ts = torch.tensor([t for _, t in points], dtype=torch.float64)
     if len(points) >= 3:
         a = torch.stack([torch.ones_like(ns), ns, ns * ns], dim=1)
         p0, p1, p2 = torch.linalg.lstsq(a, ts[:, None]).solution[:, 0].tolist()
-        if p2 >= 0 and p1 >= 0:
+        if min(p0, p1, p2) >= 0:
             return p0, p1, p2
     a = torch.stack([torch.ones_like(ns), ns], dim=1)
     p0, p1 = torch.linalg.lstsq(a, ts[:, None]).solution[:, 0].tolist()
+    if p0 < 0:
+        p0, p1 = 0.0, float((ns * ts).sum() / (ns * ns).sum())
     return p0, max(p1, 0.0), 0.0
 
 
@@ -279,7 +282,7 @@ def calibrate(pair: ModelPair, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> Co
         d0, d1 = torch.linalg.lstsq(a, medians[:, None]).solution[:, 0].tolist()
     else:
         d0, d1 = float(medians[0]), 0.0
-    if d1 < 0:  # noise: attention over a longer context does not get cheaper
+    if d1 < 0 or d0 < 0:  # noise: a longer context is not cheaper, and no pass costs < 0
         d0, d1 = float(medians.mean()), 0.0
     fitted = CostModel(p0, p1, p2, d0, d1)
     set_cost_model(pair, fitted)
