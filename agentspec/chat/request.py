@@ -27,7 +27,7 @@ from typing import Any
 
 from agentspec import grammar as G
 from agentspec.chat.prompt import Prompt, render
-from agentspec.chat.tool_calls import OPEN, Event, ToolCallSplitter
+from agentspec.chat.tool_calls import CLOSE, OPEN, Event, ToolCallSplitter
 from agentspec.config import GenerationConfig
 
 log = logging.getLogger(__name__)
@@ -160,9 +160,13 @@ class PreparedRequest:
         the prompt leaves in the context window (at least one token: a full window is refused later,
         by the loop, with the reason)."""
         room = pair.max_context - len(self.prompt.ids)
+        # one wanted call: the reply ends at its closing tag, in the core, so every mode keeps the
+        # same tokens (a verify pass may accept the end-of-turn token after the tag, a plain pass
+        # would not have made it) and the usage, the span and the saved prefix agree on them
+        single = (CLOSE,) if self.single else ()
         return dataclasses.replace(
             config,
-            stop=config.stop + self.stop,
+            stop=config.stop + self.stop + single,
             max_new_tokens=max(1, min(config.max_new_tokens, room)),
         )
 

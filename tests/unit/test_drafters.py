@@ -245,7 +245,7 @@ def test_stats_split_passes_by_draft_source():
     attrs = source_attributes(s)
     assert attrs["agentspec.source.suffix.accepted_tokens"] == 3
     assert attrs["agentspec.source.model.verify_steps"] == 1
-    from langchain_agentspec.chat_model import speculative_metadata
+    from agentspec.chat import speculative_metadata
 
     meta = speculative_metadata(s)
     assert meta["source_steps"] == s.source_steps and meta["source_accepted_tokens"]["suffix"] == 3

@@ -81,25 +81,6 @@ def shared_pair(model: str | None, draft_model: str | None, device: str | None, 
         return pair
 
 
-def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:
-    return {
-        "drafter": stats.drafter,
-        "draft_tokens": stats.draft_tokens,
-        "accepted_tokens": stats.accepted_tokens,
-        "verify_steps": stats.verify_steps,
-        "acceptance_rate": stats.acceptance_rate,
-        "mean_acceptance_length": stats.mean_acceptance_length,
-        "acceptance_histogram": list(stats.acceptance_histogram),
-        # per draft source ("auto" picks "suffix", "model" or "none" each pass): passes, drafted, accepted
-        "source_steps": dict(stats.source_steps),
-        "source_draft_tokens": dict(stats.source_draft_tokens),
-        "source_accepted_tokens": dict(stats.source_accepted_tokens),
-        # drafter exceptions this call survived with the target alone; a drafter it skipped (cool-down)
-        "draft_failures": stats.draft_failures,
-        "draft_cooldown": stats.draft_cooldown,
-    }
-
-
 def _chunk_of_call(call: dict, index: int) -> dict:
     """A whole ``agentspec.chat`` call as one indexed tool_call_chunk (an invalid one's arguments
     are the model's raw text)."""
@@ -520,16 +501,7 @@ class ChatSpecDecode(BaseChatModel):
             constrained=constrained,
             prefill=self._prefill(messages, tools, tool_choice),
         )
-        room = pair.max_context - len(request.prompt.ids)
-        # one wanted call: the reply ends at its closing tag, in the core, so every mode keeps the
-        # same tokens (a verify pass may accept the end-of-turn token after the tag, a plain pass
-        # would not have made it) and the usage, the span and the saved prefix agree on them
-        single = (_engine.engine().chat.tool_calls.CLOSE,) if request.single else ()
-        config = dataclasses.replace(
-            config,
-            stop=config.stop + request.stop + single,
-            max_new_tokens=max(1, min(config.max_new_tokens, room)),
-        )
+        config = request.fitted(pair, config)  # its stop strings, and the room the context leaves
         prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
         grammar = request.constraint(pair) if request.grammar is not None else None
         return _Call(pair, request, config, prefix_cache, grammar, overrides.get("drafter", self.drafter))
@@ -560,7 +532,6 @@ class ChatSpecDecode(BaseChatModel):
             self._trace(None, run_manager, streamed, exc)
             raise
         start = time.perf_counter()
-        parser = agentspec.chat.ReplyParser(call.request)
         errors: dict[str, str] = {}  # invalid call id -> why (chunk merging drops the error field)
         response_id = agentspec.chat.new_response_id()  # the span's gen_ai.response.id, and the reply's
         # a span and metrics (no-ops without an OpenTelemetry SDK), told the reply as parsed at the end
@@ -572,32 +543,19 @@ class ChatSpecDecode(BaseChatModel):
             agentspec.stream(call.pair, ids, call.drafter, call.prefix_cache, call.grammar, config=config)
         )
         try:
-            for step in steps:
-                reason = step.finish_reason
-                events = parser.feed(step.text)
-                if reason is None and parser.complete:
-                    # the one wanted call is complete (where it ends in the output, the core has
-                    # stopped at its closing tag; here the forced start of the reply held all of it)
-                    reason = "stop"
-                    step.stats.finish_reason = reason
-                    step.stats.total_time_s = time.perf_counter() - start
-                if reason is not None:
-                    events += parser.finish()
-                text = "".join(value for kind, value in events if kind == "text")
-                calls = [value for kind, value in events if kind != "text"]
-                errors.update((c["id"], c["error"]) for kind, c in events if kind == "invalid")
-                texts.append(text)
-                made += calls
-                first = parser.calls - len(calls)  # the index of this chunk's first call in the reply
-                calls = [_chunk_of_call(c, first + i) for i, c in enumerate(calls)]
-                if not (text or calls or reason):
-                    continue
-                chunk = self._chunk(text, calls, reason, step.stats, call.pair.name, errors, response_id)
+            # the same deltas agentspec serve answers with (agentspec.chat.reply_deltas)
+            for delta in agentspec.chat.reply_deltas(call.request, steps, start):
+                errors.update((c["id"], c["error"]) for c in delta.calls if "error" in c)
+                texts.append(delta.text)
+                made += delta.calls
+                calls = [_chunk_of_call(c, delta.first_index + i) for i, c in enumerate(delta.calls)]
+                reason = delta.finish_reason
+                chunk = self._chunk(
+                    delta.text, calls, reason, delta.stats, call.pair.name, errors, response_id
+                )
                 if run_manager is not None:
-                    run_manager.on_llm_new_token(text, chunk=chunk)
+                    run_manager.on_llm_new_token(delta.text, chunk=chunk)
                 yield chunk
-                if reason is not None:
-                    break
         except BaseException as exc:
             trace.fail(exc)
             raise
@@ -622,7 +580,7 @@ class ChatSpecDecode(BaseChatModel):
             "id": response_id,  # the span's gen_ai.response.id: a reply found from its trace, and back
             "model_name": model_name,
             "finish_reason": reason,
-            "speculative": speculative_metadata(stats),
+            "speculative": _engine.engine().chat.speculative_metadata(stats),
             "stats": stats.as_dict(),
         }
         if errors:
