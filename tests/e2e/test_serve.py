@@ -105,7 +105,11 @@ def test_greedy_replies_equal_in_process_ones(server, local):
     reply = _chat(server, ask, tools=[SQUARE], tool_choice=named, max_tokens=40)
     choice = reply.choices[0]
     llm = ChatSpecDecode(pair=local, max_tokens=40)  # room for the whole call
-    expected = llm.bind_tools([square], tool_choice="square").invoke(ask).tool_calls
+    here = llm.bind_tools([square], tool_choice="square").invoke(ask)
+    expected = here.tool_calls
+    # one count per reply: the same tokens on both sides (the call ends at its closing tag in both)
+    assert reply.usage.completion_tokens == here.usage_metadata["output_tokens"]
+    assert reply.usage.prompt_tokens == here.usage_metadata["input_tokens"]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
     assert calls == [(c["name"], c["args"]) for c in expected]
