@@ -85,9 +85,12 @@ class System:
         return [sum(int(float(v)) for v in re.findall(pattern, t)) for t in texts]
 
     def placement(self, sessions: list[str]) -> dict[str, list[int]] | None:
-        """The worker index of each request of each session, where the router logs its choices."""
-        if self.fleet is None or self.fleet.policy != "consistent_hash":
-            return None if self.fleet is not None else {s: [0] for s in sessions}
+        """The worker index of each request of each session: all on worker 0 without a router; from the
+        router's log with consistent hashing; None where the router logs no choices (round robin)."""
+        if self.fleet is None:
+            return {s: [0] for s in sessions}
+        if self.fleet.policy != "consistent_hash":
+            return None
         placed: dict[str, list[int]] = {s: [] for s in sessions}
         for session, worker in self.fleet.session_choices():
             if session in placed:

@@ -11,10 +11,17 @@ every attempt of a request re-picks its worker, and a refused connection fails a
 circuit breaker opening after ``CB_FAILURE_THRESHOLD`` failed attempts, fewer than
 ``RETRY_MAX_RETRIES`` attempts, the first request sent to a dead worker opens its breaker itself and
 its last attempt reaches a live worker. The runtime health check takes a worker that stays down off
-the ring for good (until it answers again); a breaker that half-opens sends one attempt to the dead
+the ring until it answers again; a breaker that half-opens sends one attempt to the dead
 worker, which fails at once and reopens it. The router's defaults (5 attempts, a breaker at 10
 failures, a health check a minute) answer a session's first two requests after a worker dies with
-500.
+500. A 500 from a live worker (a failed decode) is retried too, on the same worker while its breaker
+holds.
+
+A worker's 503 (its queue full) counts against its breaker too, and an open breaker sends the
+worker's sessions elsewhere (cache misses) or, with one worker, answers 503 until it half-opens; so
+fleet workers get a deep queue (``agentspec.fleet.workers.WORKER_QUEUE_SIZE``). The router cannot
+bound the requests it has in flight instead: its ``--max-concurrent-requests`` is a token bucket
+refilled at that many requests a second, whose queue answers 408 within about a second.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ from pathlib import Path
 from agentspec.fleet.router import router_command, session_choices
 from agentspec.serve.process import ServerProcess, agentspec_serve_command, checkout_env, free_port
 
+# requests a fleet worker queues behind the one decoding: deep, since a 503 from a full queue counts
+# against the worker's circuit breaker in the router (agentspec.fleet.router)
+WORKER_QUEUE_SIZE = 32
+
 
 def cpu_shares(n_workers: int, cpus: Sequence[int] | None = None) -> list[tuple[int, ...]]:
     """``cpus`` (default: those this process may run on) cut into ``n_workers`` contiguous shares as
@@ -94,7 +98,13 @@ class Fleet:
     ):
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
-        options = [*worker_options, *(f for key in api_keys for f in ("--api-key", key))]
+        # the fleet's queue size first: one in worker_options comes later and wins (argparse)
+        options = [
+            "--queue-size",
+            str(WORKER_QUEUE_SIZE),
+            *worker_options,
+            *(f for key in api_keys for f in ("--api-key", key)),
+        ]
         self.cpus = cpu_shares(n_workers)  # each worker's CPUs, in order
         self.processes = [
             agentspec_worker(
