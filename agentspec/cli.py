@@ -338,7 +338,7 @@ def _add_fleet(sub: argparse._SubParsersAction) -> None:
     from agentspec.fleet.router import POLICIES
 
     f = sub.add_parser("fleet", help="N agentspec serve workers behind vllm-router on 127.0.0.1 (dev extra)")
-    f.add_argument("--workers", type=int, default=2)
+    f.add_argument("--workers", type=int, default=2, help="agentspec serve workers (default 2)")
     f.add_argument("--port", type=int, default=8000, help="the router's port, the fleet's address")
     f.add_argument("--policy", default="consistent_hash", choices=POLICIES, help="vllm-router's --policy")
     f.add_argument(
