@@ -1,10 +1,11 @@
 """`agentspec` command line: fetch the model, answer a prompt, run the demo, distill, bench, calibrate,
-serve."""
+serve, run a fleet."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -297,6 +298,61 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    """N ``agentspec serve`` workers behind vllm-router (``agentspec.fleet``) until interrupted."""
+    from agentspec.fleet import Fleet
+    from agentspec.fleet.router import router_binary
+
+    if router_binary() is None:
+        print("agentspec fleet: vllm-router is missing; pip install 'agentspec-decode[dev]'", file=sys.stderr)
+        return 2
+    # SIGTERM (a supervisor, a test) stops the workers as Ctrl-C does: through the Fleet's exit
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    options = [*(["--model", args.model] if args.model else []), "--drafter", args.drafter]
+    fleet = Fleet(
+        args.workers,
+        port=args.port,
+        policy=args.policy,
+        threads_per_worker=args.threads_per_worker,
+        api_keys=api_keys(args.api_key, os.environ.get("AGENTSPEC_API_KEYS")),
+        worker_options=options,
+        log_dir=args.log_dir,
+    )
+    print(f"agentspec fleet: starting {args.workers} workers ({args.policy})...", flush=True)
+    with fleet:
+        for url, cpus, process in zip(fleet.workers, fleet.cpus, fleet.processes):
+            print(f"  worker {url} on CPUs {','.join(map(str, cpus))}, log {process.log}", flush=True)
+        print(
+            f"agentspec fleet: ready at {fleet.url}/v1 (router log {fleet.router.log}); Ctrl-C stops it",
+            flush=True,
+        )
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _add_fleet(sub: argparse._SubParsersAction) -> None:
+    from agentspec.fleet.router import POLICIES
+
+    f = sub.add_parser("fleet", help="N agentspec serve workers behind vllm-router on 127.0.0.1 (dev extra)")
+    f.add_argument("--workers", type=int, default=2, help="agentspec serve workers (default 2)")
+    f.add_argument("--port", type=int, default=8000, help="the router's port, the fleet's address")
+    f.add_argument("--policy", default="consistent_hash", choices=POLICIES, help="vllm-router's --policy")
+    f.add_argument(
+        "--threads-per-worker", type=int, help="torch threads of each worker (default: its share of CPUs)"
+    )
+    f.add_argument("--model", default=None, help="target of every worker (default: embedded)")
+    f.add_argument("--drafter", default="auto", help="every worker's --drafter (see agentspec serve)")
+    f.add_argument("--api-key", action="append", help="a key requests must bear; repeatable (as serve)")
+    f.add_argument(
+        "--log-dir", type=Path, help="where router.log and worker-<i>.log go (default: temp files)"
+    )
+    f.set_defaults(func=cmd_fleet)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -308,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench(sub)
     _add_calibrate(sub)
     _add_serve(sub)
+    _add_fleet(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

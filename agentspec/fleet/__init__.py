@@ -1,0 +1,13 @@
+"""A session-affine fleet: N ``agentspec serve`` workers behind vllm-router on loopback.
+
+router.py   vllm-router's command line (policy, retries, breaker, health checks), its routing log
+workers.py  a worker pinned to its share of the CPUs; ``Fleet``, the workers and the router together
+
+``agentspec fleet`` on the command line runs one until interrupted. The router is the ``vllm-router``
+package (a dev extra: ``pip install 'agentspec-decode[dev]'``).
+"""
+
+from agentspec.fleet.router import router_command
+from agentspec.fleet.workers import Fleet
+
+__all__ = ["Fleet", "router_command"]
