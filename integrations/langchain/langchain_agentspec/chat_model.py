@@ -6,6 +6,8 @@ there, on the first local call, through ``_engine``: building the model and bind
 torch); ``_generate`` only aggregates ``_stream`` (so tool calls, usage and metadata are the same
 on both), and ``_astream`` runs ``_stream`` on one worker thread (the pair's lock must be released
 by the thread that took it, which LangChain's default per-chunk executor hop does not guarantee).
+With ``base_url`` set, the four entry points go to ``remote`` instead (an OpenAI-compatible
+endpoint, through the openai client) and the chunks have the same shape.
 
 Chunks: text as soon as the verified tokens make it safe to show (never tool-call markup: text is
 held back while a ``<tool_call>`` may be starting); each tool call as one indexed
@@ -140,6 +142,9 @@ class ChatSpecDecode(BaseChatModel):
     llm = ChatSpecDecode()  # the embedded SmolLM2-135M-Instruct and its EAGLE draft
     llm.invoke("What is the capital of France?")
     llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?").tool_calls
+
+    # the same model over HTTP (`agentspec serve`, `vllm serve`, a router): no torch needed here
+    remote = ChatSpecDecode(base_url="http://127.0.0.1:8000/v1", api_key="...")
     ```
     """
 
@@ -324,6 +329,7 @@ class ChatSpecDecode(BaseChatModel):
         drafter = self.drafter if isinstance(self.drafter, str) else self.drafter.name
         return {
             "model": self.model_name,
+            "base_url": self.base_url,
             "draft_model": self.pair.draft_name if self.pair is not None else self.draft_model,
             "drafter": drafter,
             "max_draft_tokens": self.max_draft_tokens,

@@ -203,9 +203,16 @@ _backoff = wait_exponential_jitter(initial=0.25, max=4.0)
 def _wait(state: RetryCallState) -> float:
     """Exponential back-off with jitter, at least a 503's ``Retry-After`` when it gives one."""
     exc = state.outcome.exception() if state.outcome is not None else None
-    after = exc.response.headers.get("retry-after") if isinstance(exc, openai.APIStatusError) else None
-    backoff = _backoff(state)
-    return max(backoff, float(after)) if after and after.replace(".", "", 1).isdigit() else backoff
+    return max(_backoff(state), _retry_after(exc))
+
+
+def _retry_after(exc: BaseException | None) -> float:
+    """The seconds an answer's ``Retry-After`` asks for (0: none, or an HTTP date, not read here)."""
+    value = exc.response.headers.get("retry-after") if isinstance(exc, openai.APIStatusError) else None
+    try:
+        return float(value) if value is not None else 0.0
+    except ValueError:
+        return 0.0
 
 
 class Reply:
