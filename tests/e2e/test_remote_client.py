@@ -32,7 +32,9 @@ import agentspec
 openai = pytest.importorskip("openai", reason="the remote path's client (the [remote] extra)")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn", reason="agentspec serve's web stack (the serve extra)")
-pytest.importorskip("agentspec.serve", reason="agentspec serve and its web stack (the serve extra)")
+pytest.importorskip(
+    "agentspec.serve", reason="agentspec serve and its web stack (the serve extra)", exc_type=ImportError
+)
 
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402

@@ -17,7 +17,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
 from langchain_agentspec import ChatSpecDecode  # noqa: E402
 from langchain_agentspec import remote_span as names  # noqa: E402
-from langchain_agentspec.chat_model import speculative_metadata  # noqa: E402
 from langchain_agentspec.remote import (  # noqa: E402
     Reply,
     openai_tool_choice,
@@ -41,14 +40,21 @@ VLLM_METRICS = {
 }
 
 
+# the keys of the local path's response_metadata["speculative"] (tests/e2e compares a real reply's)
+LOCAL_KEYS = {
+    "drafter", "draft_tokens", "accepted_tokens", "verify_steps", "acceptance_rate",
+    "mean_acceptance_length", "acceptance_histogram", "source_steps", "source_draft_tokens",
+    "source_accepted_tokens", "draft_failures", "draft_cooldown",
+}  # fmt: skip
+
+
 class City(BaseModel):
     name: str
 
 
 def test_vllm_metrics_come_back_under_the_local_keys():
     record = speculative_record(VLLM_METRICS)
-    local_keys = set(speculative_metadata(_stats()))
-    assert set(record) == local_keys
+    assert set(record) == LOCAL_KEYS
     assert (record["draft_tokens"], record["accepted_tokens"], record["verify_steps"]) == (12, 7, 3)
     assert record["acceptance_rate"] == 0.58 and record["mean_acceptance_length"] == 3.33
     assert record["acceptance_histogram"] == [0, 1, 1, 0, 1]
@@ -56,17 +62,11 @@ def test_vllm_metrics_come_back_under_the_local_keys():
 
 
 def test_an_agentspec_servers_own_record_wins_and_none_when_nothing_is_reported():
-    own = {**speculative_metadata(_stats()), "drafter": "auto", "verify_steps": 5, "latency_saved_s": 0.2}
+    own = {**dict.fromkeys(LOCAL_KEYS, 0), "drafter": "auto", "verify_steps": 5, "latency_saved_s": 0.2}
     record = speculative_record({**VLLM_METRICS, "agentspec": own})
     assert record["drafter"] == "auto" and record["verify_steps"] == 5  # every pass, as the local path
     assert "latency_saved_s" not in record  # that is response_metadata["agentspec"]'s
     assert speculative_record(None) is None and speculative_record({}) is None
-
-
-def _stats():
-    from agentspec.stats import DecodeStats
-
-    return DecodeStats()
 
 
 def test_request_options_for_tools_formats_and_sampling():
@@ -79,6 +79,9 @@ def test_request_options_for_tools_formats_and_sampling():
     assert options["extra_body"] == {"top_k": 5}  # not OpenAI's: in the body, as vLLM reads it
     assert (options["seed"], options["temperature"], options["max_tokens"]) == (3, 0.0, 16)
     assert "top_p" not in options and "stop" not in options  # unset: the server's defaults
+    assert "deadline" not in options  # no per-call timeout: the instance's
+    timed = request_options("m", messages, None, {"timeout": 2.5}, DEFAULTS)
+    assert timed["deadline"] == 2.5 and "timeout" not in timed
     assert options["messages"][0] == {"role": "system", "content": "Be brief."}
 
     bare = {"type": "object", "properties": {"a": {"type": "integer"}}, "title": "A"}

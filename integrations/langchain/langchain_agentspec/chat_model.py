@@ -184,6 +184,11 @@ class ChatSpecDecode(BaseChatModel):
     seed: int | None = None
     """Seed for sampling: the same seed gives the same output."""
 
+    timeout: float | None = None
+    """Seconds a call may take, the wait for the model included (another call may hold it); None:
+    no limit. Past it the call raises ``agentspec.DecodeTimeout`` (a ``TimeoutError``) and the model,
+    its lock and its prefix cache are ready for the next call. Checked between decoding passes."""
+
     device: str | None = None
     """Where the model runs ("cpu", "cuda", "cuda:1"). None: CUDA if available, else CPU."""
 
@@ -223,15 +228,13 @@ class ChatSpecDecode(BaseChatModel):
     """An OpenAI-compatible endpoint (``agentspec serve``, ``vllm serve``, a router) as the openai
     client takes it, ``http://host:port/v1``: calls go there (``langchain_agentspec.remote``, the
     ``[remote]`` extra) and nothing loads here, no weights and no torch; ``model`` is the name sent
-    (None: the endpoint's first in ``/v1/models``). None: the local pair."""
+    (None: the endpoint's first in ``/v1/models``), ``timeout`` the deadline of a request and its
+    retries (each attempt's own timeout is what is left of it; past it the openai client's
+    ``APITimeoutError``). None: the local pair."""
 
     api_key: SecretStr | None = Field(default_factory=secret_from_env("AGENTSPEC_API_KEY", default=None))
     """The endpoint's key (``Authorization: Bearer``); default ``AGENTSPEC_API_KEY`` from the
     environment. Unused by a local pair."""
-
-    timeout: float | None = None
-    """Seconds a call may take. Remote: the deadline of the request and its retries (each attempt's
-    own timeout is what is left of it). None: no deadline."""
 
     max_retries: int = Field(default=2, ge=0)
     """Remote calls: retries on connection errors, 502/503/504 and a router's failure to reach its

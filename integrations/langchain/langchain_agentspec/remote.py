@@ -80,7 +80,7 @@ SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key", "X-Dynamo-Session-ID")
 
 # Per-call arguments this path takes beyond tools and formats (the local drafting and cache options
 # are the server's business there).
-CALL_ARGS = {"temperature", "top_p", "top_k", "max_tokens", "seed"}
+CALL_ARGS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "timeout"}
 _DROPPED_CALL_ARGS = {"stream", "ls_structured_output_format", "structured_output_format"}
 _RETRIED_STATUS = (502, 503, 504)
 # openai's client wants a key; a server that requires none ignores this one (vLLM's docs use "EMPTY")
@@ -175,6 +175,9 @@ def request_options(
             "cache options are the server's)"
         )
     settings = {**defaults, **kwargs, "stop": stop if stop is not None else defaults.get("stop")}
+    if "timeout" in kwargs:  # the call's own deadline (``Remote`` takes it out again)
+        options["deadline"] = kwargs["timeout"]
+    settings.pop("timeout", None)
     top_k = settings.pop("top_k", None)
     options.update((k, v) for k, v in settings.items() if v is not None)
     if top_k is not None:
@@ -330,10 +333,10 @@ class Remote:
 
     # -- the retry policy ----------------------------------------------------------------------
 
-    def _policy(self, span: ClientSpan | None) -> dict[str, Any]:
+    def _policy(self, span: ClientSpan | None, timeout: float | None) -> dict[str, Any]:
         stop = stop_after_attempt(self.max_retries + 1)
-        if self.timeout is not None:
-            stop = stop | stop_after_delay(self.timeout)
+        if timeout is not None:
+            stop = stop | stop_after_delay(timeout)
         return {
             "stop": stop,
             "wait": _wait,
@@ -342,20 +345,21 @@ class Remote:
             "before_sleep": span.retried if span is not None else None,
         }
 
-    def _attempt_options(self, started: float) -> dict[str, Any]:
+    @staticmethod
+    def _attempt_options(started: float, timeout: float | None) -> dict[str, Any]:
         """An attempt's own timeout: what the call's deadline leaves (none given: the client's)."""
-        if self.timeout is None:
+        if timeout is None:
             return {}
-        return {"timeout": max(self.timeout - (time.monotonic() - started), 0.001)}
+        return {"timeout": max(timeout - (time.monotonic() - started), 0.001)}
 
     def served_model(self) -> str:
         """The model a ``ChatSpecDecode`` with no ``model`` asks for: the endpoint's first in
         ``/v1/models`` (asked once)."""
         if self._model is None:
             started = time.monotonic()
-            for attempt in Retrying(**self._policy(None)):
+            for attempt in Retrying(**self._policy(None, self.timeout)):
                 with attempt:
-                    page = self.client.models.list(**self._attempt_options(started))
+                    page = self.client.models.list(**self._attempt_options(started, self.timeout))
             if not page.data:
                 raise ValueError(f"{self.client.base_url} serves no model: pass model=")
             self._model = page.data[0].id
@@ -363,8 +367,11 @@ class Remote:
 
     # -- one call ------------------------------------------------------------------------------
 
-    def _begin(self, options: dict, run_manager: Any, streamed: bool) -> tuple[ClientSpan, dict[str, str]]:
-        """The call's span and the headers that carry its trace context and session."""
+    def _begin(self, options: dict, run_manager: Any, streamed: bool) -> tuple[ClientSpan, dict, dict, Any]:
+        """The call's span, the headers that carry its trace context and session, its options for
+        ``create`` and its deadline (the call's ``timeout``, else the instance's)."""
+        options = dict(options)
+        timeout = options.pop("deadline", self.timeout)
         conversation = run_conversation_id(run_manager)
         span = ClientSpan.start(
             self.tracer_provider, self.server, options, streamed, conversation, parent_context(run_manager)
@@ -372,17 +379,17 @@ class Remote:
         headers = span.trace_headers()
         if conversation is not None:
             headers.update(dict.fromkeys(SESSION_HEADERS, conversation))
-        return span, headers
+        return span, headers, options, timeout
 
     def generate(self, options: dict, run_manager: Any) -> list[ChatGenerationChunk]:
         """A whole reply (not streamed), as the chunks ``generate_from_stream`` merges."""
-        span, headers = self._begin(options, run_manager, streamed=False)
+        span, headers, options, timeout = self._begin(options, run_manager, streamed=False)
         reply, started = Reply(options["model"]), time.monotonic()
         try:
-            for attempt in Retrying(**self._policy(span)):
+            for attempt in Retrying(**self._policy(span, timeout)):
                 with attempt:
                     response = self.client.chat.completions.create(
-                        **options, extra_headers=headers, **self._attempt_options(started)
+                        **options, extra_headers=headers, **self._attempt_options(started, timeout)
                     )
             chunks = reply.whole(response)
         except BaseException as exc:
@@ -393,14 +400,14 @@ class Remote:
         return chunks
 
     async def agenerate(self, options: dict, run_manager: Any) -> list[ChatGenerationChunk]:
-        span, headers = self._begin(options, run_manager, streamed=False)
+        span, headers, options, timeout = self._begin(options, run_manager, streamed=False)
         reply, started = Reply(options["model"]), time.monotonic()
         try:
             async with openai.AsyncOpenAI(**self._options) as client:
-                async for attempt in AsyncRetrying(**self._policy(span)):
+                async for attempt in AsyncRetrying(**self._policy(span, timeout)):
                     with attempt:
                         response = await client.chat.completions.create(
-                            **options, extra_headers=headers, **self._attempt_options(started)
+                            **options, extra_headers=headers, **self._attempt_options(started, timeout)
                         )
             chunks = reply.whole(response)
         except BaseException as exc:
@@ -410,24 +417,24 @@ class Remote:
             span.end(reply, speculative_record(reply.metrics))
         return chunks
 
-    def _stream_options(self, options: dict, headers: dict, started: float) -> dict[str, Any]:
+    def _stream_options(self, options: dict, headers: dict, started: float, timeout: Any) -> dict[str, Any]:
         return {
             **options,
             "stream": True,
             "stream_options": {"include_usage": True},
             "extra_headers": headers,
-            **self._attempt_options(started),
+            **self._attempt_options(started, timeout),
         }
 
     def stream(self, options: dict, run_manager: Any) -> Iterator[ChatGenerationChunk]:
         """The reply's chunks as they come, then the last one (usage and metadata)."""
-        span, headers = self._begin(options, run_manager, streamed=True)
+        span, headers, options, timeout = self._begin(options, run_manager, streamed=True)
         reply, started = Reply(options["model"]), time.monotonic()
         try:
-            for attempt in Retrying(**self._policy(span)):  # until the first chunk is in
+            for attempt in Retrying(**self._policy(span, timeout)):  # until the first chunk is in
                 with attempt:
                     events = self.client.chat.completions.create(
-                        **self._stream_options(options, headers, started)
+                        **self._stream_options(options, headers, started, timeout)
                     )
                     first = _first(events)
             with events:
@@ -448,14 +455,14 @@ class Remote:
             span.end(reply, speculative_record(reply.metrics))
 
     async def astream(self, options: dict, run_manager: Any) -> AsyncIterator[ChatGenerationChunk]:
-        span, headers = self._begin(options, run_manager, streamed=True)
+        span, headers, options, timeout = self._begin(options, run_manager, streamed=True)
         reply, started = Reply(options["model"]), time.monotonic()
         try:
             async with openai.AsyncOpenAI(**self._options) as client:
-                async for attempt in AsyncRetrying(**self._policy(span)):
+                async for attempt in AsyncRetrying(**self._policy(span, timeout)):
                     with attempt:
                         events = await client.chat.completions.create(
-                            **self._stream_options(options, headers, started)
+                            **self._stream_options(options, headers, started, timeout)
                         )
                         first = await _afirst(events)
                 async with events:
