@@ -299,7 +299,8 @@ def test_spans_join_across_the_two_processes(server):
         time.sleep(0.1)
     # the engine's span among them, and under the client's (the web framework may add its own)
     assert any(s["parent_id"] == f"0x{span_id}" for s in theirs), theirs
-    assert span.name in [s["name"] for s in theirs], theirs
+    (engine,) = [s for s in theirs if s["name"] == span.name]
+    assert engine["attributes"]["gen_ai.conversation.id"] == thread  # the session header, read there
 
 
 def test_retries_before_the_first_chunk(server):
