@@ -4,6 +4,8 @@ it retries, the names its span writes (against a real server: tests/e2e/test_rem
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -115,7 +117,14 @@ def test_request_options_refuse_local_only_arguments():
 
 @pytest.mark.parametrize(
     ("given", "sent"),
-    [("any", "required"), (True, "required"), ("auto", "auto"), ("none", "none"), ("required", "required")],
+    [
+        ("any", "required"),
+        (True, "required"),
+        (False, "auto"),
+        ("auto", "auto"),
+        ("none", "none"),
+        ("required", "required"),
+    ],
 )
 def test_tool_choice_in_openais_terms(given, sent):
     assert openai_tool_choice(given) == sent
@@ -260,3 +269,18 @@ def test_a_remote_instance_refuses_local_settings_and_claims_no_weights():
     )
     assert "open_weights" not in llm.profile and llm.profile["tool_calling"]
     assert llm.model_name == "m" and "secret-key-1" not in repr(llm)  # the key is a SecretStr
+
+
+def test_retries_stop_at_the_deadline_or_the_count():
+    with socket.socket() as s:  # a port nothing listens on: every attempt is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    started = time.monotonic()
+    with pytest.raises(openai.APIConnectionError):
+        ChatSpecDecode(base_url=url, model="m", max_retries=50, timeout=1.5).invoke("hi")
+    assert time.monotonic() - started < 2.5  # the deadline, not fifty back-offs
+    started = time.monotonic()
+    with pytest.raises(openai.APIConnectionError):
+        ChatSpecDecode(base_url=url, model="m", max_retries=0).invoke("hi")
+    assert time.monotonic() - started < 0.5  # one attempt, no back-off

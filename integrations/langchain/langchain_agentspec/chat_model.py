@@ -744,6 +744,7 @@ class ChatSpecDecode(BaseChatModel):
             "seed": self.seed,
             "stop": self.stop,
         }
+        kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_ARGS}
         return request_options(self.model_name, messages, stop, kwargs, defaults)
 
     async def _astream(

@@ -36,6 +36,7 @@ a client counting the same tokens again would double every dashboard's figures.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -50,7 +51,7 @@ from tenacity import (
     Retrying,
     retry_if_exception,
     stop_after_attempt,
-    stop_after_delay,
+    stop_before_delay,
     wait_exponential_jitter,
 )
 
@@ -81,7 +82,6 @@ SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key", "X-Dynamo-Session-ID")
 # Per-call arguments this path takes beyond tools and formats (the local drafting and cache options
 # are the server's business there).
 CALL_ARGS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "timeout"}
-_DROPPED_CALL_ARGS = {"stream", "ls_structured_output_format", "structured_output_format"}
 _RETRIED_STATUS = (502, 503, 504)
 # openai's client wants a key; a server that requires none ignores this one (vLLM's docs use "EMPTY")
 NO_KEY = "EMPTY"
@@ -121,19 +121,19 @@ def speculative_record(metrics: Mapping[str, Any] | None) -> dict[str, Any] | No
     own, vllm = metrics.get("agentspec"), metrics.get("speculative_decoding")
     if not own and not vllm:
         return None
-    record = dict(_UNREPORTED)
+    record = copy.deepcopy(_UNREPORTED)
     record.update({ours: vllm[theirs] for theirs, ours in _VLLM_NAMES.items() if theirs in (vllm or {})})
     record.update({key: own[key] for key in _UNREPORTED if key in (own or {})})
     return record
 
 
 def openai_tool_choice(choice: Any) -> Any:
-    """LangChain's ``tool_choice`` forms in OpenAI's: "any" and True are "required", a bare tool
-    name is that function; OpenAI's own forms pass as they are."""
+    """LangChain's ``tool_choice`` forms in OpenAI's: "any" and True are "required", False is
+    "auto" (nothing forced), a bare tool name is that function; OpenAI's own forms pass as they are."""
     if choice is True or choice == "any":
         return "required"
     if choice is False:
-        return "none"
+        return "auto"
     if isinstance(choice, str) and choice not in ("auto", "none", "required"):
         return {"type": "function", "function": {"name": choice}}
     return choice
@@ -152,8 +152,9 @@ def request_options(
     model: str, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict, defaults: dict
 ) -> dict[str, Any]:
     """``chat.completions.create``'s arguments for one call: ``defaults`` (the instance's sampling
-    settings) overridden by the call's ``kwargs``; ``extra_body`` holds what OpenAI's API lacks."""
-    kwargs = {k: v for k, v in kwargs.items() if k not in _DROPPED_CALL_ARGS}
+    settings) overridden by the call's ``kwargs`` (LangChain's own extra arguments already dropped);
+    ``extra_body`` holds what OpenAI's API lacks, ``deadline`` the call's own timeout."""
+    kwargs = dict(kwargs)
     kwargs.pop("model", None)  # checked against the instance's by the caller
     options: dict[str, Any] = {"model": model, "messages": to_openai_messages(messages)}
     tools = kwargs.pop("tools", None)
@@ -336,7 +337,7 @@ class Remote:
     def _policy(self, span: ClientSpan | None, timeout: float | None) -> dict[str, Any]:
         stop = stop_after_attempt(self.max_retries + 1)
         if timeout is not None:
-            stop = stop | stop_after_delay(timeout)
+            stop = stop | stop_before_delay(timeout)  # no attempt that would start past the deadline
         return {
             "stop": stop,
             "wait": _wait,
