@@ -6,6 +6,8 @@ there, on the first local call, through ``_engine``: building the model and bind
 torch); ``_generate`` only aggregates ``_stream`` (so tool calls, usage and metadata are the same
 on both), and ``_astream`` runs ``_stream`` on one worker thread (the pair's lock must be released
 by the thread that took it, which LangChain's default per-chunk executor hop does not guarantee).
+With ``base_url`` set, the four entry points go to ``remote`` instead (an OpenAI-compatible
+endpoint, through the openai client) and the chunks have the same shape.
 
 Chunks: text as soon as the verified tokens make it safe to show (never tool-call markup: text is
 held back while a ``<tool_call>`` may be starting); each tool call as one indexed
@@ -36,13 +38,14 @@ from langchain_core.language_models.chat_models import LangSmithParams, generate
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough, ensure_config
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
+from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
 from langchain_agentspec import _engine
-from langchain_agentspec.conversation import conversation_id
+from langchain_agentspec._run import parent_context, run_conversation_id
 from langchain_agentspec.messages import to_openai_messages
 from langchain_agentspec.structured import openai_response_format, structured_parser
 
@@ -51,11 +54,17 @@ if TYPE_CHECKING:  # the engine is imported on first local use, through _engine
     from agentspec.chat import PreparedRequest
     from agentspec.stats import DecodeStats
     from agentspec.telemetry import Telemetry
+    from langchain_agentspec.remote import Remote
 
-# Arguments LangChain's standard tests and callers pass to any chat model; meaningless for a local
-# model, so they are accepted and dropped. Any other unknown argument is an error (a typo would
-# otherwise silently load the default model).
-_IGNORED_INIT_ARGS = {"api_key", "max_retries", "streaming", "base_url", "callback_manager"}
+# Arguments LangChain's standard tests and callers pass to any chat model; meaningless here, so they
+# are accepted and dropped. Any other unknown argument is an error (a typo would otherwise silently
+# load the default model).
+_IGNORED_INIT_ARGS = {"streaming", "callback_manager"}
+# What only a local pair has: set with base_url, they are an error (the server chose them)
+_LOCAL_ONLY = (
+    "draft_model", "drafter", "max_draft_tokens", "device", "dtype", "speculative", "prefix_cache",
+    "constrained", "jump_forward", "pair",
+)  # fmt: skip
 # Per-call arguments LangChain itself may add; dropped.
 _IGNORED_CALL_ARGS = {"stream", "ls_structured_output_format", "structured_output_format"}
 _CALL_OVERRIDES = {
@@ -114,6 +123,9 @@ class ChatSpecDecode(BaseChatModel):
     llm = ChatSpecDecode()  # the embedded SmolLM2-135M-Instruct and its EAGLE draft
     llm.invoke("What is the capital of France?")
     llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?").tool_calls
+
+    # the same model over HTTP (`agentspec serve`, `vllm serve`, a router): no torch needed here
+    remote = ChatSpecDecode(base_url="http://127.0.0.1:8000/v1", api_key="...")
     ```
     """
 
@@ -190,13 +202,31 @@ class ChatSpecDecode(BaseChatModel):
     None: the global one; with no SDK configured, nothing is recorded."""
 
     meter_provider: Any = Field(default=None, exclude=True, repr=False)
-    """OpenTelemetry MeterProvider for the calls' metrics. None: the global one."""
+    """OpenTelemetry MeterProvider for the calls' metrics. None: the global one. (Remote calls record
+    no metrics: the server counts them.)"""
+
+    base_url: str | None = None
+    """An OpenAI-compatible endpoint (``agentspec serve``, ``vllm serve``, a router) as the openai
+    client takes it, ``http://host:port/v1``: calls go there (``langchain_agentspec.remote``, the
+    ``[remote]`` extra) and nothing loads here, no weights and no torch; ``model`` is the name sent
+    (None: the endpoint's first in ``/v1/models``), ``timeout`` the deadline of a request and its
+    retries (each attempt's own timeout is what is left of it; past it the openai client's
+    ``APITimeoutError``). None: the local pair."""
+
+    api_key: SecretStr | None = Field(default_factory=secret_from_env("AGENTSPEC_API_KEY", default=None))
+    """The endpoint's key (``Authorization: Bearer``); default ``AGENTSPEC_API_KEY`` from the
+    environment. Unused by a local pair."""
+
+    max_retries: int = Field(default=2, ge=0)
+    """Remote calls: retries on connection errors, 502/503/504 and a router's failure to reach its
+    worker, within ``timeout``; a stream only before its first chunk. Unused by a local pair."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     _loaded: ModelPair | None = PrivateAttr(default=None)
     _own_cache: Any = PrivateAttr(default=None)  # the PrefixCache of a prefix_cache=<bytes> instance
     _telemetry: Telemetry | None = PrivateAttr(default=None)  # built by _tracing() on the first call
+    _remote: Remote | None = PrivateAttr(default=None)  # the openai clients, built with a base_url
 
     @model_validator(mode="before")
     @classmethod
@@ -219,6 +249,10 @@ class ChatSpecDecode(BaseChatModel):
 
     @model_validator(mode="after")
     def _check(self) -> ChatSpecDecode:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if self.base_url is not None:
+            return self._check_remote()
         if self.pair is not None:
             given = {"draft_model": self.draft_model, "device": self.device, "dtype": self.dtype}
             clash = [n for n, v in given.items() if v is not None]
@@ -229,11 +263,26 @@ class ChatSpecDecode(BaseChatModel):
         budget = self.prefix_cache
         if isinstance(budget, int) and not isinstance(budget, bool) and budget <= 0:
             raise ValueError(f"prefix_cache: a byte budget must be > 0, got {self.prefix_cache}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
         if _engine.installed():  # else the first local call checks these, with the same code
             self._check_with_engine()
         return self
+
+    def _check_remote(self) -> ChatSpecDecode:
+        """A remote instance: no local-only settings; its openai clients (the extra's hint where
+        openai is missing)."""
+        local = [name for name in _LOCAL_ONLY if name in self.model_fields_set]
+        if local:
+            raise ValueError(f"base_url: {local} are the server's settings, not this client's")
+        from langchain_agentspec.remote import Remote
+
+        key = self.api_key.get_secret_value() if self.api_key is not None else None
+        self._remote = Remote(self.base_url, key, self.timeout, self.max_retries, self.tracer_provider)
+        return self
+
+    def _checks_locally(self) -> bool:
+        """Whether tools, formats and settings are checked here, by the engine's code (a remote
+        instance leaves them to its server)."""
+        return self.base_url is None and _engine.installed()
 
     def _check_with_engine(self) -> None:
         """The settings only the engine's code knows how to check: the drafter, the sampling ones."""
@@ -255,6 +304,8 @@ class ChatSpecDecode(BaseChatModel):
         embedded default)."""
         if self.pair is not None:
             return self.pair.name
+        if self._remote is not None:
+            return self.model or self._remote.served_model()
         return self.model or _engine.default_model_name()
 
     @property
@@ -262,6 +313,7 @@ class ChatSpecDecode(BaseChatModel):
         drafter = self.drafter if isinstance(self.drafter, str) else self.drafter.name
         return {
             "model": self.model_name,
+            "base_url": self.base_url,
             "draft_model": self.pair.draft_name if self.pair is not None else self.draft_model,
             "drafter": drafter,
             "max_draft_tokens": self.max_draft_tokens,
@@ -323,7 +375,9 @@ class ChatSpecDecode(BaseChatModel):
         formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
-        if _engine.installed():  # else agentspec.chat.prepare checks them at the first local call
+        if (
+            self._checks_locally()
+        ):  # else agentspec.chat.prepare (or the server) checks them at the first call
             formatted, tool_choice = self._checked_tools(formatted, tool_choice, kwargs)
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
@@ -388,12 +442,12 @@ class ChatSpecDecode(BaseChatModel):
             json_schema = {"type": "object"}
         elif not isinstance(schema, dict):
             json_schema = convert_to_json_schema(schema)
-        elif _engine.installed():
+        elif self._checks_locally():
             request = _engine.engine().chat.request
             json_schema = request.response_schema(schema) or convert_to_json_schema(schema)
         else:
             return schema
-        if self.constrained and _engine.installed():
+        if self.constrained and self._checks_locally():
             _engine.engine().chat.request.output_grammar([], None, json_schema, "hermes", single=False)
         name = json_schema.get("title", "response") if isinstance(json_schema, dict) else "response"
         return {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema}}
@@ -411,6 +465,8 @@ class ChatSpecDecode(BaseChatModel):
             structured_output=True,
             temperature=True,
         )
+        if self.base_url is not None:  # what the server's model is, it does not say here
+            return ModelProfile(**{k: v for k, v in profile.items() if k != "open_weights"})
         if self.pair is None and not _engine.installed():
             return profile  # the engine names the default model and reads model configs
         return profile | ModelProfile(name=self.model_name) | self._token_limits()
@@ -513,6 +569,9 @@ class ChatSpecDecode(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
+        if self._remote is not None:
+            yield from self._remote.stream(self._remote_options(messages, stop, kwargs), run_manager)
+            return
         yield from self._replies(messages, stop, run_manager, kwargs, streamed=True)
 
     def _replies(
@@ -610,7 +669,42 @@ class ChatSpecDecode(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
+        if self._remote is not None:
+            options = self._remote_options(messages, stop, kwargs)
+            return generate_from_stream(iter(self._remote.generate(options, run_manager)))
         return generate_from_stream(self._replies(messages, stop, run_manager, kwargs, streamed=False))
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        if self._remote is None:  # the local path: _generate on a worker thread (LangChain's default)
+            return await super()._agenerate(messages, stop, run_manager, **kwargs)
+        options = self._remote_options(messages, stop, kwargs)
+        return generate_from_stream(iter(await self._remote.agenerate(options, run_manager)))
+
+    def _remote_options(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> dict:
+        """A remote call's ``chat.completions.create`` arguments (``remote.request_options``)."""
+        from langchain_agentspec.remote import request_options
+
+        model = kwargs.get("model")
+        if model is not None and model != self.model_name:
+            raise ValueError(
+                f"model={model!r}: this ChatSpecDecode asks {self.base_url} for {self.model_name!r}"
+            )
+        defaults = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+        kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_ARGS}
+        return request_options(self.model_name, messages, stop, kwargs, defaults)
 
     async def _astream(
         self,
@@ -619,7 +713,13 @@ class ChatSpecDecode(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        """``_stream`` on one worker thread, its chunks handed over through a queue."""
+        """``_stream`` on one worker thread, its chunks handed over through a queue (remote: the
+        async client)."""
+        if self._remote is not None:
+            options = self._remote_options(messages, stop, kwargs)
+            async for chunk in self._remote.astream(options, run_manager):
+                yield chunk
+            return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
@@ -671,30 +771,17 @@ class ChatSpecDecode(BaseChatModel):
         that failed before decoding, recorded at once.
 
         The span's parent is the current span, or the span a LangChain tracer opened for this run
-        when it has one (OpenInference's ``get_span(run_id)``: it does not make its spans current).
-        Its ``gen_ai.conversation.id`` is the run's thread or session id (``conversation``), read
-        from the run manager's metadata; LangChain streams (``stream``, and an invoke it streams for
-        a LangGraph ``stream_mode="messages"``) hand ``_stream`` no run manager, and then the
-        metadata is the config LangChain keeps in context (a LangGraph node's: the thread is
-        there; a bare ``llm.stream(config=...)`` leaves none).
+        (``_run.parent_context``); its ``gen_ai.conversation.id`` is the run's thread or session id
+        (``_run.run_conversation_id``).
         """
-        from opentelemetry import trace as otel_trace
-
-        parent = None
-        for handler in getattr(run_manager, "handlers", None) or []:
-            span = handler.get_span(run_manager.run_id) if hasattr(handler, "get_span") else None
-            if isinstance(span, otel_trace.Span):
-                parent = otel_trace.set_span_in_context(span)
         trace = self._tracing().call(
             call.pair if call is not None else None,
             self.model_name,
             call.config if call is not None else None,
             call.prefix_cache if call is not None else True,
             streamed=streamed,
-            parent=parent,
-            conversation_id=conversation_id(
-                run_manager.metadata if run_manager is not None else ensure_config().get("metadata")
-            ),
+            parent=parent_context(run_manager),
+            conversation_id=run_conversation_id(run_manager),
             response_id=response_id,
             request=call.request if call is not None else None,
         )

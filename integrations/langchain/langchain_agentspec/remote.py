@@ -1,0 +1,508 @@
+"""``ChatSpecDecode(base_url=...)``: the same chat model against an OpenAI-compatible endpoint.
+
+``agentspec serve``, ``vllm serve``, llama.cpp's server or a router in front of several of them: the
+wire protocol is the ``openai`` package's (the ``[remote]`` extra), and nothing of the engine is
+imported here, so this path needs no torch, transformers or weights.
+
+A call sends the messages in OpenAI's format (``messages.to_openai_messages``), the bound tools,
+``tool_choice``, ``response_format`` (a pydantic model or a bare schema as ``json_schema``) and the
+sampling options (``top_k``, outside OpenAI's API, in the body as vLLM reads it; a server that does
+not know it ignores it), and reads back what the local path reports, in the same shape:
+
+- content and tool calls (ids from the server; each streamed call as indexed ``tool_call_chunks``);
+- ``usage_metadata``, ``input_token_details.cache_read`` from ``usage.prompt_tokens_details
+  .cached_tokens`` (absent where the server reports no details: vLLM without
+  ``--enable-prompt-tokens-details``);
+- ``response_metadata``: ``id`` (the response's), ``model_name``, ``finish_reason``,
+  ``speculative`` (``speculative_record``: the local ``speculative_metadata`` keys, from an agentspec
+  server's own record or from vLLM's ``metrics.speculative_decoding``), ``agentspec`` (an agentspec
+  server's own figures: latency saved, cache reads, draft sources) and ``metrics`` (the server's
+  ``metrics`` as sent), ``tool_call_errors`` for the invalid calls an agentspec server reports.
+
+Session affinity: the run's conversation id (``_run.run_conversation_id``) goes out under each
+header in ``SESSION_HEADERS``, so a router keeps a conversation on the worker holding its cache.
+
+Retries (tenacity; the openai client's own are off, so the two do not stack): connection errors,
+502/503/504 and a router's failure to reach its worker, at most ``max_retries`` times and within
+``timeout`` (each attempt's own timeout is what is left of it); a stream is retried only until its
+first chunk arrives, never once the caller has seen part of a reply. Other errors are raised as the
+openai client raises them (``openai.AuthenticationError`` for a wrong key, ``openai.BadRequestError``
+with the server's message, ...).
+
+Telemetry: one CLIENT span per call (``remote_span``), its W3C ``traceparent`` sent with the request
+so that the server's span is its child. No metrics are recorded here: the server counts usage, and
+a client counting the same tokens again would double every dashboard's figures.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
+
+from langchain_core.messages import AIMessageChunk, BaseMessage, UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.outputs import ChatGenerationChunk
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_before_delay,
+    wait_exponential_jitter,
+)
+
+from langchain_agentspec._run import parent_context, run_conversation_id
+from langchain_agentspec.messages import to_openai_messages
+from langchain_agentspec.remote_span import ClientSpan, server_of
+from langchain_agentspec.structured import openai_response_format
+
+try:
+    import openai
+except ImportError as exc:  # pragma: no cover - the extra's hint
+    raise ImportError(
+        "ChatSpecDecode(base_url=...) talks to the endpoint with the openai client: "
+        "pip install 'langchain-agentspec[remote]'"
+    ) from exc
+
+__all__ = ["SESSION_HEADERS", "Remote", "request_options", "retryable", "speculative_record"]
+
+# The conversation id goes out under each router's session header:
+# - X-Session-ID: vllm-router's consistent_hash policy hashes it (its log names the key
+#   "header:x-session-id"); NVIDIA Dynamo also reads it as OpenCode's session header;
+# - X-SMG-Routing-Key: SGLang's model gateway, consistent hashing for session affinity
+#   (sgl-project/sglang, sgl-model-gateway/src/policies/consistent_hashing.rs);
+# - X-Dynamo-Session-ID: NVIDIA Dynamo's canonical session header, used by its router when session
+#   affinity is on (ai-dynamo/dynamo, docs/agents/session-ids.md).
+SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key", "X-Dynamo-Session-ID")
+
+# Per-call arguments this path takes beyond tools and formats (the local drafting and cache options
+# are the server's business there).
+CALL_ARGS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "timeout"}
+_RETRIED_STATUS = (502, 503, 504)
+# openai's client wants a key; a server that requires none ignores this one (vLLM's docs use "EMPTY")
+NO_KEY = "EMPTY"
+# the local record's keys, filled with "not reported" for what a server leaves out
+_UNREPORTED = {
+    "drafter": None,
+    "draft_tokens": 0,
+    "accepted_tokens": 0,
+    "verify_steps": 0,
+    "acceptance_rate": 0.0,
+    "mean_acceptance_length": 1.0,
+    "acceptance_histogram": [],
+    "source_steps": {},
+    "source_draft_tokens": {},
+    "source_accepted_tokens": {},
+    "draft_failures": None,
+    "draft_cooldown": None,
+}
+# vLLM's per-request names (``metrics.speculative_decoding``) -> the local record's. vLLM counts as
+# spec steps only the passes that verified drafts (agentspec's verify_steps counts every pass), and
+# its ``num_spec_tokens`` (the draft length) has no local key: it stays in ``metrics``.
+_VLLM_NAMES = {
+    "num_draft_tokens": "draft_tokens",
+    "num_accepted_draft_tokens": "accepted_tokens",
+    "num_spec_steps": "verify_steps",
+    "draft_acceptance_rate": "acceptance_rate",
+    "mean_acceptance_length": "mean_acceptance_length",
+    "acceptance_histogram": "acceptance_histogram",
+}
+
+
+def speculative_record(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``response_metadata["speculative"]`` from a response's ``metrics``: an agentspec server's own
+    record (``metrics.agentspec``, the local keys) where there is one, else vLLM's
+    ``speculative_decoding`` under the local names; None when the server reports neither."""
+    metrics = metrics or {}
+    own, vllm = metrics.get("agentspec"), metrics.get("speculative_decoding")
+    if not own and not vllm:
+        return None
+    record = copy.deepcopy(_UNREPORTED)
+    record.update({ours: vllm[theirs] for theirs, ours in _VLLM_NAMES.items() if theirs in (vllm or {})})
+    record.update({key: own[key] for key in _UNREPORTED if key in (own or {})})
+    return record
+
+
+def openai_tool_choice(choice: Any) -> Any:
+    """LangChain's ``tool_choice`` forms in OpenAI's: "any" and True are "required", False is
+    "auto" (nothing forced), a bare tool name is that function; OpenAI's own forms pass as they are."""
+    if choice is True or choice == "any":
+        return "required"
+    if choice is False:
+        return "auto"
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+        return {"type": "function", "function": {"name": choice}}
+    return choice
+
+
+def _response_format(value: Any) -> dict | None:
+    """A ``response_format`` as OpenAI's API takes it: a bare JSON schema (which ``agentspec.chat``
+    also reads) becomes ``{"type": "json_schema", ...}``."""
+    value = openai_response_format(value)
+    if value is None or value.get("type") in ("json_schema", "json_object", "text"):
+        return value
+    return {"type": "json_schema", "json_schema": {"name": value.get("title", "response"), "schema": value}}
+
+
+def request_options(
+    model: str, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict, defaults: dict
+) -> dict[str, Any]:
+    """``chat.completions.create``'s arguments for one call: ``defaults`` (the instance's sampling
+    settings) overridden by the call's ``kwargs`` (LangChain's own extra arguments already dropped);
+    ``extra_body`` holds what OpenAI's API lacks, ``deadline`` the call's own timeout."""
+    kwargs = dict(kwargs)
+    kwargs.pop("model", None)  # checked against the instance's by the caller
+    options: dict[str, Any] = {"model": model, "messages": to_openai_messages(messages)}
+    tools = kwargs.pop("tools", None)
+    if tools:
+        options["tools"] = tools
+        if (choice := kwargs.pop("tool_choice", None)) is not None:
+            options["tool_choice"] = openai_tool_choice(choice)
+        if (parallel := kwargs.pop("parallel_tool_calls", None)) is not None:
+            options["parallel_tool_calls"] = parallel
+    elif kwargs.pop("tool_choice", None) not in (None, "auto", "none"):
+        raise ValueError("tool_choice needs at least one bound tool")
+    kwargs.pop("parallel_tool_calls", None)
+    if (response_format := _response_format(kwargs.pop("response_format", None))) is not None:
+        options["response_format"] = response_format
+    unknown = set(kwargs) - CALL_ARGS
+    if unknown:
+        raise TypeError(
+            f"ChatSpecDecode(base_url=...): unexpected call arguments {sorted(unknown)} (drafting and "
+            "cache options are the server's)"
+        )
+    settings = {**defaults, **kwargs, "stop": stop if stop is not None else defaults.get("stop")}
+    if "timeout" in kwargs:  # the call's own deadline (``Remote`` takes it out again)
+        options["deadline"] = kwargs["timeout"]
+    settings.pop("timeout", None)
+    top_k = settings.pop("top_k", None)
+    options.update((k, v) for k, v in settings.items() if v is not None)
+    if top_k is not None:
+        options["extra_body"] = {"top_k": top_k}
+    return options
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a failed attempt is worth another: the server was not reached (refused, reset, timed
+    out), answered 502/503/504 (a proxy's bad gateway, a full queue, a gateway timeout), or a router
+    could not reach its worker. A router says so with a 500 whose body is not OpenAI's error object
+    (vllm-router: "Request failed: error sending request for url ..."); a model server's own 500
+    carries that object and is not retried, nor is any 4xx."""
+    if isinstance(exc, openai.APIConnectionError):  # APITimeoutError included
+        return True
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code in _RETRIED_STATUS or (
+            exc.status_code == 500 and not isinstance(exc.body, dict)
+        )
+    return False
+
+
+_backoff = wait_exponential_jitter(initial=0.25, max=4.0)
+
+
+def _wait(state: RetryCallState) -> float:
+    """Exponential back-off with jitter, at least a 503's ``Retry-After`` when it gives one."""
+    exc = state.outcome.exception() if state.outcome is not None else None
+    return max(_backoff(state), _retry_after(exc))
+
+
+def _retry_after(exc: BaseException | None) -> float:
+    """The seconds an answer's ``Retry-After`` asks for (0: none, or an HTTP date, not read here)."""
+    value = exc.response.headers.get("retry-after") if isinstance(exc, openai.APIStatusError) else None
+    try:
+        return float(value) if value is not None else 0.0
+    except ValueError:
+        return 0.0
+
+
+class Reply:
+    """One reply as it comes from the server, whole or chunk by chunk, and its last LangChain chunk."""
+
+    def __init__(self, model: str):
+        self.id: str | None = None
+        self.model = model
+        self.finish_reason: str | None = None
+        self.usage: Any = None
+        self.metrics: dict[str, Any] | None = None
+        self.calls = 0  # tool calls seen, so that invalid ones reported at the end index after them
+
+    def _common(self, item: Any) -> None:
+        self.id, self.model = item.id or self.id, item.model or self.model
+        self.usage = item.usage or self.usage
+        self.metrics = (item.model_extra or {}).get("metrics") or self.metrics
+
+    def chunk(self, chunk: Any) -> ChatGenerationChunk | None:
+        """The LangChain chunk of a ``ChatCompletionChunk`` (None when it adds no text or call)."""
+        self._common(chunk)
+        if not chunk.choices:
+            return None
+        choice = chunk.choices[0]
+        self.finish_reason = choice.finish_reason or self.finish_reason
+        calls = [self._call(c.index, c.id, c.function) for c in choice.delta.tool_calls or ()]
+        text = choice.delta.content or ""
+        if not (text or calls):
+            return None
+        return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls))
+
+    def whole(self, response: Any) -> list[ChatGenerationChunk]:
+        """The chunks of a ``ChatCompletion`` (its content and calls, then the last one)."""
+        self._common(response)
+        choice = response.choices[0]
+        self.finish_reason = choice.finish_reason
+        calls = [self._call(i, c.id, c.function) for i, c in enumerate(choice.message.tool_calls or ())]
+        body = AIMessageChunk(content=choice.message.content or "", tool_call_chunks=calls)
+        return [ChatGenerationChunk(message=body), self.last()]
+
+    def _call(self, index: int, call_id: str | None, function: Any) -> dict:
+        self.calls = max(self.calls, index + 1)
+        name, args = (function.name, function.arguments) if function is not None else (None, None)
+        return tool_call_chunk(name=name, args=args, id=call_id, index=index)
+
+    def last(self) -> ChatGenerationChunk:
+        """The closing chunk: usage, metadata, and the invalid calls an agentspec server reports
+        (their raw text as arguments, as the local path gives them)."""
+        own = (self.metrics or {}).get("agentspec") or {}
+        invalid = own.get("invalid_tool_calls") or []
+        calls = [
+            tool_call_chunk(name=c["function"]["name"], args=c["function"]["arguments"], id=c["id"], index=i)
+            for i, c in enumerate(invalid, start=self.calls)
+        ]
+        metadata: dict[str, Any] = {
+            "id": self.id,
+            "model_name": self.model,
+            "finish_reason": self.finish_reason,
+        }
+        if (speculative := speculative_record(self.metrics)) is not None:
+            metadata["speculative"] = speculative
+        if own:
+            metadata["agentspec"] = own
+        if self.metrics:
+            metadata["metrics"] = self.metrics
+        if invalid:
+            metadata["tool_call_errors"] = {c["id"]: c.get("error") for c in invalid}
+        message = AIMessageChunk(
+            content="",
+            tool_call_chunks=calls,
+            chunk_position="last",
+            usage_metadata=usage_metadata(self.usage),
+            response_metadata=metadata,
+        )
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": self.finish_reason})
+
+
+def usage_metadata(usage: Any) -> UsageMetadata | None:
+    """LangChain's usage from OpenAI's; ``cache_read`` only where the server reports cached tokens."""
+    if usage is None:
+        return None
+    out = UsageMetadata(
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+    )
+    details = usage.prompt_tokens_details
+    if details is not None and details.cached_tokens is not None:
+        out["input_token_details"] = {"cache_read": details.cached_tokens}
+    return out
+
+
+class Remote:
+    """The openai clients of one ``ChatSpecDecode(base_url=...)``, its retry policy and its tracer."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        timeout: float | None,
+        max_retries: int,
+        tracer_provider: Any = None,
+    ):
+        options: dict[str, Any] = {"base_url": base_url, "api_key": api_key or NO_KEY, "max_retries": 0}
+        if timeout is not None:
+            options["timeout"] = timeout
+        self.client = openai.OpenAI(**options)
+        # the async client is made per call: its connections belong to one event loop, and an
+        # instance outlives loops (each asyncio.run has its own)
+        self._options = options
+        self.timeout, self.max_retries = timeout, max_retries
+        self.server = server_of(base_url)
+        self.tracer_provider = tracer_provider
+        self._model: str | None = None
+
+    # -- the retry policy ----------------------------------------------------------------------
+
+    def _policy(self, span: ClientSpan | None, timeout: float | None) -> dict[str, Any]:
+        stop = stop_after_attempt(self.max_retries + 1)
+        if timeout is not None:
+            stop = stop | stop_before_delay(timeout)  # no attempt that would start past the deadline
+        return {
+            "stop": stop,
+            "wait": _wait,
+            "retry": retry_if_exception(retryable),
+            "reraise": True,
+            "before_sleep": span.retried if span is not None else None,
+        }
+
+    @staticmethod
+    def _attempt_options(started: float, timeout: float | None) -> dict[str, Any]:
+        """An attempt's own timeout: what the call's deadline leaves (none given: the client's)."""
+        if timeout is None:
+            return {}
+        return {"timeout": max(timeout - (time.monotonic() - started), 0.001)}
+
+    def served_model(self) -> str:
+        """The model a ``ChatSpecDecode`` with no ``model`` asks for: the endpoint's first in
+        ``/v1/models`` (asked once)."""
+        if self._model is None:
+            started = time.monotonic()
+            for attempt in Retrying(**self._policy(None, self.timeout)):
+                with attempt:
+                    page = self.client.models.list(**self._attempt_options(started, self.timeout))
+            if not page.data:
+                raise ValueError(f"{self.client.base_url} serves no model: pass model=")
+            self._model = page.data[0].id
+        return self._model
+
+    # -- one call ------------------------------------------------------------------------------
+
+    def _begin(self, options: dict, run_manager: Any, streamed: bool) -> tuple[ClientSpan, dict, dict, Any]:
+        """The call's span, the headers that carry its trace context and session, its options for
+        ``create`` and its deadline (the call's ``timeout``, else the instance's)."""
+        options = dict(options)
+        timeout = options.pop("deadline", self.timeout)
+        conversation = run_conversation_id(run_manager)
+        span = ClientSpan.start(
+            self.tracer_provider, self.server, options, streamed, conversation, parent_context(run_manager)
+        )
+        headers = span.trace_headers()
+        if conversation is not None:
+            headers.update(dict.fromkeys(SESSION_HEADERS, conversation))
+        return span, headers, options, timeout
+
+    def generate(self, options: dict, run_manager: Any) -> list[ChatGenerationChunk]:
+        """A whole reply (not streamed), as the chunks ``generate_from_stream`` merges."""
+        span, headers, options, timeout = self._begin(options, run_manager, streamed=False)
+        reply, started = Reply(options["model"]), time.monotonic()
+        try:
+            for attempt in Retrying(**self._policy(span, timeout)):
+                with attempt:
+                    response = self.client.chat.completions.create(
+                        **options, extra_headers=headers, **self._attempt_options(started, timeout)
+                    )
+            chunks = reply.whole(response)
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        finally:
+            span.end(reply, speculative_record(reply.metrics))
+        return chunks
+
+    async def agenerate(self, options: dict, run_manager: Any) -> list[ChatGenerationChunk]:
+        span, headers, options, timeout = self._begin(options, run_manager, streamed=False)
+        reply, started = Reply(options["model"]), time.monotonic()
+        try:
+            async with openai.AsyncOpenAI(**self._options) as client:
+                async for attempt in AsyncRetrying(**self._policy(span, timeout)):
+                    with attempt:
+                        response = await client.chat.completions.create(
+                            **options, extra_headers=headers, **self._attempt_options(started, timeout)
+                        )
+            chunks = reply.whole(response)
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        finally:
+            span.end(reply, speculative_record(reply.metrics))
+        return chunks
+
+    def _stream_options(self, options: dict, headers: dict, started: float, timeout: Any) -> dict[str, Any]:
+        return {
+            **options,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "extra_headers": headers,
+            **self._attempt_options(started, timeout),
+        }
+
+    def stream(self, options: dict, run_manager: Any) -> Iterator[ChatGenerationChunk]:
+        """The reply's chunks as they come, then the last one (usage and metadata)."""
+        span, headers, options, timeout = self._begin(options, run_manager, streamed=True)
+        reply, started = Reply(options["model"]), time.monotonic()
+        try:
+            for attempt in Retrying(**self._policy(span, timeout)):  # until the first chunk is in
+                with attempt:
+                    events = self.client.chat.completions.create(
+                        **self._stream_options(options, headers, started, timeout)
+                    )
+                    first = _first(events)
+            with events:
+                for event in itertools.chain([first] if first is not None else [], events):
+                    chunk = reply.chunk(event)
+                    if chunk is not None:
+                        if run_manager is not None:
+                            run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                        yield chunk
+            yield reply.last()
+        except GeneratorExit:
+            span.closed_early()
+            raise
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        finally:
+            span.end(reply, speculative_record(reply.metrics))
+
+    async def astream(self, options: dict, run_manager: Any) -> AsyncIterator[ChatGenerationChunk]:
+        span, headers, options, timeout = self._begin(options, run_manager, streamed=True)
+        reply, started = Reply(options["model"]), time.monotonic()
+        try:
+            async with openai.AsyncOpenAI(**self._options) as client:
+                async for attempt in AsyncRetrying(**self._policy(span, timeout)):
+                    with attempt:
+                        events = await client.chat.completions.create(
+                            **self._stream_options(options, headers, started, timeout)
+                        )
+                        first = await _afirst(events)
+                async with events:
+                    async for event in _prepended(first, events):
+                        chunk = reply.chunk(event)
+                        if chunk is not None:
+                            if run_manager is not None:
+                                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                            yield chunk
+            yield reply.last()
+        except GeneratorExit:
+            span.closed_early()
+            raise
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        finally:
+            span.end(reply, speculative_record(reply.metrics))
+
+
+def _first(events: Any) -> Any:
+    """The stream's first event (None: it ended at once); a failure closes the response."""
+    try:
+        return next(events, None)
+    except BaseException:
+        events.close()
+        raise
+
+
+async def _afirst(events: Any) -> Any:
+    try:
+        return await anext(events, None)
+    except BaseException:
+        await events.close()
+        raise
+
+
+async def _prepended(first: Any, events: Any) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+    async for event in events:
+        yield event

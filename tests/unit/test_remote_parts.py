@@ -1,0 +1,286 @@
+"""The remote path's pure parts, without a server: the request it builds, the replies it reads, what
+it retries, the names its span writes (against a real server: tests/e2e/test_remote_client.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from langchain_core.language_models.chat_models import generate_from_stream
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from pydantic import BaseModel
+
+openai = pytest.importorskip("openai", reason="the remote path's client (the [remote] extra)")
+
+from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
+
+from langchain_agentspec import ChatSpecDecode  # noqa: E402
+from langchain_agentspec import remote_span as names  # noqa: E402
+from langchain_agentspec.remote import (  # noqa: E402
+    Reply,
+    openai_tool_choice,
+    request_options,
+    retryable,
+    speculative_record,
+)
+
+DEFAULTS = {"temperature": 0.0, "top_p": None, "top_k": None, "max_tokens": 16, "seed": None, "stop": None}
+# what vLLM sends with --per-request-spec-decode-metrics summary (the field names of its docs)
+VLLM_METRICS = {
+    "speculative_decoding": {
+        "num_draft_tokens": 12,
+        "num_accepted_draft_tokens": 7,
+        "num_spec_steps": 3,
+        "num_spec_tokens": 4,
+        "mean_acceptance_length": 3.33,
+        "draft_acceptance_rate": 0.58,
+        "acceptance_histogram": [0, 1, 1, 0, 1],
+    }
+}
+
+
+# the keys of the local path's response_metadata["speculative"] (tests/e2e compares a real reply's)
+LOCAL_KEYS = {
+    "drafter", "draft_tokens", "accepted_tokens", "verify_steps", "acceptance_rate",
+    "mean_acceptance_length", "acceptance_histogram", "source_steps", "source_draft_tokens",
+    "source_accepted_tokens", "draft_failures", "draft_cooldown",
+}  # fmt: skip
+
+
+class City(BaseModel):
+    name: str
+
+
+def test_vllm_metrics_come_back_under_the_local_keys():
+    record = speculative_record(VLLM_METRICS)
+    assert set(record) == LOCAL_KEYS
+    assert (record["draft_tokens"], record["accepted_tokens"], record["verify_steps"]) == (12, 7, 3)
+    assert record["acceptance_rate"] == 0.58 and record["mean_acceptance_length"] == 3.33
+    assert record["acceptance_histogram"] == [0, 1, 1, 0, 1]
+    assert record["drafter"] is None and record["source_steps"] == {}  # vLLM does not say
+
+
+def test_an_agentspec_servers_own_record_wins_and_none_when_nothing_is_reported():
+    own = {**dict.fromkeys(LOCAL_KEYS, 0), "drafter": "auto", "verify_steps": 5, "latency_saved_s": 0.2}
+    record = speculative_record({**VLLM_METRICS, "agentspec": own})
+    assert record["drafter"] == "auto" and record["verify_steps"] == 5  # every pass, as the local path
+    assert "latency_saved_s" not in record  # that is response_metadata["agentspec"]'s
+    assert speculative_record(None) is None and speculative_record({}) is None
+
+
+def test_request_options_for_tools_formats_and_sampling():
+    tool = {"type": "function", "function": {"name": "square", "parameters": {"type": "object"}}}
+    messages = [SystemMessage("Be brief."), HumanMessage("Square 7.")]
+    options = request_options(
+        "m", messages, None, {"tools": [tool], "tool_choice": "square", "top_k": 5, "seed": 3}, DEFAULTS
+    )
+    assert options["tool_choice"] == {"type": "function", "function": {"name": "square"}}
+    assert options["extra_body"] == {"top_k": 5}  # not OpenAI's: in the body, as vLLM reads it
+    assert (options["seed"], options["temperature"], options["max_tokens"]) == (3, 0.0, 16)
+    assert "top_p" not in options and "stop" not in options  # unset: the server's defaults
+    assert "deadline" not in options  # no per-call timeout: the instance's
+    timed = request_options("m", messages, None, {"timeout": 2.5}, DEFAULTS)
+    assert timed["deadline"] == 2.5 and "timeout" not in timed
+    assert options["messages"][0] == {"role": "system", "content": "Be brief."}
+
+    bare = {"type": "object", "properties": {"a": {"type": "integer"}}, "title": "A"}
+    wrapped = request_options("m", messages, ["\n"], {"response_format": bare}, DEFAULTS)
+    assert wrapped["response_format"] == {"type": "json_schema", "json_schema": {"name": "A", "schema": bare}}
+    assert wrapped["stop"] == ["\n"]
+    typed = request_options("m", messages, None, {"response_format": City}, DEFAULTS)["response_format"]
+    assert typed["json_schema"]["name"] == "City" and "name" in typed["json_schema"]["schema"]["properties"]
+
+
+def test_a_tool_history_goes_out_in_openais_format():
+    call = {"name": "square", "args": {"x": 7}, "id": "call_1", "type": "tool_call"}
+    history = [
+        HumanMessage("Square 7."),
+        AIMessage("", tool_calls=[call]),
+        ToolMessage("49", tool_call_id="call_1"),
+    ]
+    sent = request_options("m", history, None, {}, DEFAULTS)["messages"]
+    assert sent[1]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "square", "arguments": '{"x": 7}'}}
+    ]
+    assert sent[2] == {"role": "tool", "content": "49", "tool_call_id": "call_1"}
+
+
+def test_request_options_refuse_local_only_arguments():
+    with pytest.raises(TypeError, match="drafter"):
+        request_options("m", [HumanMessage("hi")], None, {"drafter": "suffix"}, DEFAULTS)
+    with pytest.raises(ValueError, match="at least one bound tool"):
+        request_options("m", [HumanMessage("hi")], None, {"tool_choice": "any"}, DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    ("given", "sent"),
+    [
+        ("any", "required"),
+        (True, "required"),
+        (False, "auto"),
+        ("auto", "auto"),
+        ("none", "none"),
+        ("required", "required"),
+    ],
+)
+def test_tool_choice_in_openais_terms(given, sent):
+    assert openai_tool_choice(given) == sent
+
+
+def _status(code: int, body: bytes, content_type: str = "text/plain") -> openai.APIStatusError:
+    request = httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions")
+    response = httpx.Response(code, content=body, headers={"content-type": content_type}, request=request)
+    parsed = json.loads(body) if content_type == "application/json" else body.decode()
+    error = {401: openai.AuthenticationError, 400: openai.BadRequestError}.get(
+        code, openai.InternalServerError if code >= 500 else openai.APIStatusError
+    )
+    return error(f"Error code: {code}", response=response, body=parsed)
+
+
+def test_what_is_retried():
+    request = httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions")
+    assert retryable(openai.APIConnectionError(request=request))
+    assert retryable(openai.APITimeoutError(request=request))
+    for code in (502, 503, 504):
+        assert retryable(_status(code, b"upstream unavailable")), code
+    # a router that could not reach its worker (vllm-router's plain-text 500) is; a server's own 500 is not
+    assert retryable(_status(500, b"Request failed: error sending request for url"))
+    own = json.dumps({"error": {"message": "decoding failed", "type": "server_error"}}).encode()
+    assert not retryable(_status(500, own, "application/json"))
+    assert not retryable(_status(401, b'{"error": {"message": "bad key"}}', "application/json"))
+    assert not retryable(_status(400, b'{"error": {"message": "bad input"}}', "application/json"))
+    assert not retryable(ValueError("not a transport error"))
+
+
+def _completion(**extra) -> ChatCompletion:
+    call = {"id": "call_9", "type": "function", "function": {"name": "square", "arguments": '{"x": 9}'}}
+    return ChatCompletion.model_validate(
+        {
+            "id": "chatcmpl-abc",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "served-model",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                    "finish_reason": "tool_calls",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 30,
+                "completion_tokens": 9,
+                "total_tokens": 39,
+                "prompt_tokens_details": {"cached_tokens": 24},
+            },
+            **extra,
+        }
+    )
+
+
+def test_a_whole_reply_reads_as_the_local_one_does():
+    # an invalid call's arguments are the model's raw text, its opening tag included (agentspec.chat)
+    raw = '<tool_call>\n{"name": "square", "arguments": {"x": '
+    invalid = {"id": "call_x", "type": "function", "function": {"name": "square", "arguments": raw}}
+    own = {"drafter": "auto", "latency_saved_s": 0.4, "invalid_tool_calls": [{**invalid, "error": "cut"}]}
+    chunks = Reply("asked-model").whole(_completion(metrics={**VLLM_METRICS, "agentspec": own}))
+    message = generate_from_stream(iter(chunks)).generations[0].message
+    assert message.tool_calls == [{"name": "square", "args": {"x": 9}, "id": "call_9", "type": "tool_call"}]
+    assert [c["id"] for c in message.invalid_tool_calls] == ["call_x"]  # its raw text as arguments
+    assert message.usage_metadata == {
+        "input_tokens": 30,
+        "output_tokens": 9,
+        "total_tokens": 39,
+        "input_token_details": {"cache_read": 24},
+    }
+    meta = message.response_metadata
+    assert (meta["id"], meta["model_name"], meta["finish_reason"]) == (
+        "chatcmpl-abc",
+        "served-model",
+        "tool_calls",
+    )
+    assert meta["speculative"]["drafter"] == "auto" and meta["speculative"]["draft_tokens"] == 12
+    assert meta["agentspec"]["latency_saved_s"] == 0.4 and meta["tool_call_errors"] == {"call_x": "cut"}
+
+
+def test_no_cache_read_where_the_server_reports_no_details():
+    reply = _completion()
+    reply.usage.prompt_tokens_details = None
+    message = generate_from_stream(iter(Reply("m").whole(reply))).generations[0].message
+    assert "input_token_details" not in message.usage_metadata  # unknown, not zero
+    assert "speculative" not in message.response_metadata
+
+
+def test_streamed_chunks_carry_text_calls_and_end_with_usage():
+    def chunk(delta=None, finish=None, **extra):
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+        body = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        return ChatCompletionChunk.model_validate({**body, "choices": choices, **extra})
+
+    call = {
+        "index": 0,
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "square", "arguments": '{"x": 3}'},
+    }
+    events = [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"content": "Sure. "}),
+        chunk({"tool_calls": [call]}),
+        chunk({}, "tool_calls", metrics=VLLM_METRICS),
+        chunk(None, usage={"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}),
+    ]
+    reply = Reply("m")
+    out = [c for c in (reply.chunk(e) for e in events) if c is not None] + [reply.last()]
+    merged = generate_from_stream(iter(out)).generations[0].message
+    assert merged.content == "Sure. " and merged.tool_calls[0]["args"] == {"x": 3}
+    assert (
+        merged.usage_metadata["total_tokens"] == 9
+        and merged.response_metadata["finish_reason"] == "tool_calls"
+    )
+    assert out[-1].message.chunk_position == "last" and merged.response_metadata["id"] == "chatcmpl-s"
+
+
+def test_the_span_names_are_the_engines():
+    attributes = pytest.importorskip("agentspec.telemetry.attributes")
+    written = {n: v for n, v in vars(names).items() if n.isupper() and isinstance(v, str)}
+    assert len(written) > 25
+    for name, value in written.items():
+        if not name.startswith("SERVER_"):
+            assert getattr(attributes, name) == value, name
+    from opentelemetry.semconv.attributes import server_attributes
+
+    assert (names.SERVER_ADDRESS, names.SERVER_PORT) == (
+        server_attributes.SERVER_ADDRESS,
+        server_attributes.SERVER_PORT,
+    )
+    assert names.server_of("http://10.0.0.2:8000/v1") == ("10.0.0.2", 8000)
+    assert names.server_of("https://models.example/v1") == ("models.example", 443)
+
+
+def test_a_remote_instance_refuses_local_settings_and_claims_no_weights():
+    with pytest.raises(ValueError, match="device"):
+        ChatSpecDecode(base_url="http://127.0.0.1:9/v1", device="cpu")
+    llm = ChatSpecDecode(
+        base_url="http://127.0.0.1:9/v1", model="m", api_key="secret-key-1", timeout=5, max_retries=1
+    )
+    assert "open_weights" not in llm.profile and llm.profile["tool_calling"]
+    assert llm.model_name == "m" and "secret-key-1" not in repr(llm)  # the key is a SecretStr
+
+
+def test_retries_stop_at_the_deadline_or_the_count():
+    with socket.socket() as s:  # a port nothing listens on: every attempt is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    started = time.monotonic()
+    with pytest.raises(openai.APIConnectionError):
+        ChatSpecDecode(base_url=url, model="m", max_retries=50, timeout=1.5).invoke("hi")
+    assert time.monotonic() - started < 2.5  # the deadline, not fifty back-offs
+    started = time.monotonic()
+    with pytest.raises(openai.APIConnectionError):
+        ChatSpecDecode(base_url=url, model="m", max_retries=0).invoke("hi")
+    assert time.monotonic() - started < 0.5  # one attempt, no back-off
