@@ -163,6 +163,34 @@ def test_each_session_stays_on_one_worker_and_reads_its_cache(fleet, fault_free)
 
 
 @needs_router
+def test_the_demo_agent_runs_unchanged_against_the_fleet(fleet, fault_free):
+    """The demo's create_agent agent on ``ChatSpecDecode(base_url=<the router>)``: the same answers as
+    in process, each LangGraph thread (its id sent as X-Session-ID) on one worker, reading its cache."""
+    import agentspec
+    from examples import agent_demo as demo
+    from langchain_agentspec import ChatSpecDecode
+
+    tasks = demo.TASKS[:2]
+    start = len(fleet.session_choices())
+    remote = ChatSpecDecode(
+        base_url=f"{fleet.url}/v1", api_key="unused", max_tokens=64, timeout=CALL_TIMEOUT_S
+    )
+    _, states, meter = demo.run(remote, "fleet", tasks)
+    local = ChatSpecDecode(pair=agentspec.load_pair(), max_tokens=64)
+    _, states_local, _ = demo.run(local, "local", tasks)
+    assert [demo.replies(s) for s in states] == [demo.replies(s) for s in states_local]
+    for (_, subject), state in zip(tasks, states):
+        ok, verdict = demo.check(subject, state)
+        assert ok, verdict
+    placed = _placement(fleet.session_choices()[start:])
+    print(f"demo placement: { {k: sorted(set(v)) for k, v in placed.items()} }")
+    for i in range(len(tasks)):
+        workers = placed.get(f"fleet-{i + 1}", [])
+        assert len(workers) == 2 and len(set(workers)) == 1, f"thread fleet-{i + 1}: {placed=}"
+    assert meter.calls[1]["cached"] > 0  # the answer's call reads the tool call's prompt on its worker
+
+
+@needs_router
 def test_a_killed_worker_costs_only_cache_misses(fleet, fault_free):
     reference, placed = fault_free
     home = {s.id: placed[s.id][0] for s in reference}
