@@ -1,0 +1,1 @@
+"""Fleets of servers."""
