@@ -308,7 +308,11 @@ def cmd_vllm_worker(args: argparse.Namespace) -> int:
         return 2
     try:
         command = vllm_worker_command(
-            args.port, speculative=not args.no_speculation, python=python, threads=args.threads
+            args.port,
+            speculative=not args.no_speculation,
+            python=python,
+            threads=args.threads,
+            first_cpu=args.first_cpu,
         )
     except ValueError as exc:
         print(f"agentspec vllm-worker: {exc}", file=sys.stderr)
@@ -326,8 +330,9 @@ def _add_vllm_worker(sub: argparse._SubParsersAction) -> None:
     w.add_argument(
         "--threads",
         type=int,
-        help="CPU: threads, bound to the first N allowed CPUs (default: vLLM's binding)",
+        help="CPU: threads, bound to N allowed CPUs from --first-cpu (default: vLLM's binding)",
     )
+    w.add_argument("--first-cpu", type=int, default=0, help="with --threads: the first CPU (default 0)")
     w.add_argument("--python", help="the interpreter with vLLM (default: the checkout's .venv-vllm)")
     w.set_defaults(func=cmd_vllm_worker)
 

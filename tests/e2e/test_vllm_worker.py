@@ -168,3 +168,27 @@ def test_metadata_fields_match_agentspec_serve(servers):
     assert {k for k, v in theirs.items() if v is not None} == set(ours), (ours, theirs)
     assert {k: type(v) for k, v in ours.items()} == {k: type(theirs[k]) for k in ours}, (ours, theirs)
     assert bodies["agentspec"]["model"] == bodies["spec"]["model"] == MODEL
+
+
+def test_an_agent_session_is_the_same_with_and_without_speculation(servers):
+    """Three turns of one session, tools bound, tool results in between: each turn's reply is the same
+    on both workers, and each later turn reads the earlier turns' prefix from the cache (by whole
+    blocks, so the count may stay put from one turn to the next)."""
+    salt = uuid.uuid4().hex
+    system = f"Session {salt}. You are an order assistant. Use the tools. " + f"Orders on file: {ORDER} " * 4
+    history = [{"role": "system", "content": system}]
+    asks = ["Where is order A-10293?", "Which carrier?", "What is the tracking number?"]
+    cached: dict[str, list[int]] = {"spec": [], "plain": []}
+    for turn, ask in enumerate(asks):
+        history.append({"role": "user", "content": ask})
+        replies = {name: _chat(servers[name], history, tools=[SQUARE]) for name in cached}
+        assert _reply(replies["spec"]) == _reply(replies["plain"]), (turn, ask)
+        for name, reply in replies.items():
+            cached[name].append(reply.usage.prompt_tokens_details.cached_tokens)
+        call = {"id": f"call_{turn}", "type": "function", "function": {"name": "square", "arguments": "{}"}}
+        history.append(
+            {"role": "assistant", "content": replies["spec"].choices[0].message.content, "tool_calls": [call]}
+        )
+        history.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": ORDER})
+    for name, counts in cached.items():
+        assert counts[0] == 0 < counts[1] and all(a <= b for a, b in zip(counts, counts[1:])), (name, counts)
