@@ -2,10 +2,15 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-all lint bench wheels
+.PHONY: setup vllm demo test test-all lint bench wheels
 
 setup:
 	bash scripts/setup.sh
+
+# vLLM in an environment of its own, .venv-vllm (it pins torch and transformers below .venv's), for
+# `agentspec vllm-worker` and the tests against it
+vllm:
+	bash scripts/setup_vllm.sh
 
 demo: setup
 	$(BIN)/python examples/agent_demo.py
@@ -14,11 +19,12 @@ lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# the default suite: everything but tests marked slow (about 5 minutes on 2 cores)
-test: setup lint
+# the default suite: everything but tests marked slow (about 10 minutes on 2 cores); vllm for the tests
+# against a vLLM worker
+test: setup vllm lint
 	$(BIN)/python -m pytest -m "not slow"
 
-test-all: setup lint
+test-all: setup vllm lint
 	$(BIN)/python -m pytest
 
 # every system side by side (quick mode; `--full` on both for the long run): the single calls and the

@@ -1,5 +1,5 @@
 """`agentspec` command line: fetch the model, answer a prompt, run the demo, distill, bench, calibrate,
-serve, run a fleet."""
+serve, run a fleet, start a vLLM worker."""
 
 from __future__ import annotations
 
@@ -353,6 +353,46 @@ def _add_fleet(sub: argparse._SubParsersAction) -> None:
     f.set_defaults(func=cmd_fleet)
 
 
+def cmd_vllm_worker(args: argparse.Namespace) -> int:
+    """Become a vLLM worker on the embedded model (``agentspec.fleet.vllm``) until interrupted: the
+    process is replaced, so signals reach vLLM itself."""
+    from agentspec.fleet.vllm import VLLM_PYTHON, vllm_worker_command
+
+    python = Path(args.python) if args.python else VLLM_PYTHON
+    if not python.exists():
+        print(f"agentspec vllm-worker: {python} not found; run `make vllm` first", file=sys.stderr)
+        return 2
+    try:
+        command = vllm_worker_command(
+            args.port,
+            speculative=not args.no_speculation,
+            python=python,
+            threads=args.threads,
+            first_cpu=args.first_cpu,
+        )
+    except ValueError as exc:
+        print(f"agentspec vllm-worker: {exc}", file=sys.stderr)
+        return 2
+    os.execvp(command[0], command)
+
+
+def _add_vllm_worker(sub: argparse._SubParsersAction) -> None:
+    w = sub.add_parser(
+        "vllm-worker",
+        help="vLLM's OpenAI server on the embedded model, on 127.0.0.1 (needs .venv-vllm: make vllm)",
+    )
+    w.add_argument("--port", type=int, default=8000)
+    w.add_argument("--no-speculation", action="store_true", help="no n-gram speculation (the baseline)")
+    w.add_argument(
+        "--threads",
+        type=int,
+        help="CPU: threads, bound to N allowed CPUs from --first-cpu (default: vLLM's binding)",
+    )
+    w.add_argument("--first-cpu", type=int, default=0, help="with --threads: the first CPU (default 0)")
+    w.add_argument("--python", help="the interpreter with vLLM (default: the checkout's .venv-vllm)")
+    w.set_defaults(func=cmd_vllm_worker)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -365,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_calibrate(sub)
     _add_serve(sub)
     _add_fleet(sub)
+    _add_vllm_worker(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

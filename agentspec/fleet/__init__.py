@@ -2,6 +2,7 @@
 
 router.py   vllm-router's command line (policy, retries, breaker, health checks), its routing log
 workers.py  a worker pinned to its share of the CPUs; ``Fleet``, the workers and the router together
+vllm.py     a vLLM worker (its own environment, .venv-vllm: ``make vllm``) as a drop-in worker
 
 ``agentspec fleet`` on the command line runs one until interrupted. The router is the ``vllm-router``
 package (a dev extra: ``pip install 'agentspec-decode[dev]'``).
