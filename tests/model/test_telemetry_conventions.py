@@ -17,6 +17,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import GenAiOutputTypeValues
 from scripted_calls import WholeCall, now
 
 import agentspec
@@ -102,6 +103,9 @@ def test_output_type(chat_pair, otel):
     llm.bind(response_format={"type": "json_object"}).invoke("hi")
     text, as_json = exporter.get_finished_spans()
     assert text.attributes[A.OUTPUT_TYPE] == "text" and as_json.attributes[A.OUTPUT_TYPE] == "json"
+    # both are values the conventions define (what the spans carry, not our own constants)
+    published = {v.value for v in GenAiOutputTypeValues}
+    assert {text.attributes[A.OUTPUT_TYPE], as_json.attributes[A.OUTPUT_TYPE]} <= published, published
 
 
 def test_response_id_is_the_replys(chat_pair, otel):
