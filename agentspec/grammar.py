@@ -17,9 +17,10 @@ Three layers:
   is pushed while the masks for the verify pass are computed, and ``commit(n)`` keeps the first
   ``n`` of them and rolls the rest back.
 
-A verify pass's masks stay packed as xgrammar fills them (int32 [rows, ceil(V/32)]) and go onto the
-logits through xgrammar's own kernel (``apply_bitmask``); a drafter masking one row may use the bool
-form (``allowed()``, ``apply_mask``).
+A verify pass's masks stay packed as xgrammar fills them (int32 [rows, ceil(V/32)], 1/8 of the bool
+rows), go to the device in one non-blocking copy from pinned memory, and onto the logits through
+xgrammar's own kernel (``apply_bitmask``); a drafter masking one row may use the bool form
+(``allowed()``, ``apply_mask``).
 """
 
 from __future__ import annotations
@@ -260,7 +261,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     words = -(-logits.shape[-1] // 32)
     assert bitmask.shape[-1] == words, f"{bitmask.shape=} {logits.shape=}"
     out = logits.clone()
-    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=out.shape[-1])
+    # from pinned memory (``Constraint.bitmasks``) this copy is queued, not waited for
+    mask = bitmask.to(out.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(out, mask, vocab_size=out.shape[-1])
     return out
 
 
@@ -322,8 +325,15 @@ class Constraint:
 
     def bitmasks(self, rows: int) -> torch.Tensor:
         """int32 [rows, ceil(V/32)]: the packed mask at each of the path's first ``rows`` positions,
-        for ``apply_bitmask``."""
-        out = torch.full((rows, len(self._real)), -1, dtype=torch.int32)
+        for ``apply_bitmask``.
+
+        In pinned host memory where CUDA is present, so that one non-blocking copy takes the
+        pass's masks to the device (PyTorch's caching host allocator keeps a pinned block until
+        the copies queued from it have run, so a fresh tensor per pass is safe and cheap). The
+        loop fills them after queueing the target's pass: on a GPU they are computed while it runs.
+        """
+        out = torch.empty((rows, len(self._real)), dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        out.fill_(-1)
         for i in range(min(rows, len(self.path) + 1)):  # push() filled the rows of the path
             out[i] = self._rows[i] if i < len(self.path) else self.bitmask()
         # a row with nothing allowed follows a stop token: never used, but it must not turn into NaN

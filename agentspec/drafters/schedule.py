@@ -15,10 +15,12 @@ Lossless: the length of a sampled draft is decided before each token is sampled,
 confidences of the positions before it (a function of the output prefix, not of the token itself);
 only a deterministic draft is cut after the fact (``trim``).
 
-``VerifyCost`` starts from ``DEFAULT_VERIFY_COST`` (``benchmarks/results/core.json``: SmolLM2-135M,
-float32, 2 CPU cores, 300-token cache) and learns the pair's own curve from the timed verify passes
-of greedy calls (no separate calibration run). Sampled calls keep the fixed default curve and fresh
-calibrations, so a seeded call never depends on timing or on earlier calls.
+``VerifyCost`` starts from its device kind's prior (``PRIORS``: on a CPU ``DEFAULT_VERIFY_COST``,
+``benchmarks/results/core.json``: SmolLM2-135M, float32, 2 CPU cores, 300-token cache; on a GPU one
+step for a pass of up to 16 tokens) and learns the pair's own curve from the verify passes of
+greedy calls, timed on the device's clock (``DeviceClock``; no separate calibration run). Sampled
+calls keep the fixed prior and fresh calibrations, so a seeded call never depends on timing or on
+earlier calls.
 
 Pure functions first, then the stateful pieces: ``Calibration``, ``VerifyCost``, ``ConfidenceSchedule``.
 (``VerifyCost`` prices verify passes for drafting decisions; ``agentspec.telemetry.latency.CostModel``
@@ -34,9 +36,22 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 # T(n)/T(1) measured by benchmarks/bench_core.py (core.json): n new tokens in one target pass
 DEFAULT_VERIFY_COST: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.64), (4, 1.79), (8, 2.68), (16, 3.05))
 DEFAULT_DRAFT_STEP = 0.1  # one draft-model step / one target step, until measured (a 1/10-size draft)
+# On a GPU a batch-1 pass of up to 16 tokens is bound by reading the weights, not by arithmetic (a
+# 7B model in bfloat16: 15 GB read at ~4.8 TB/s is ~3 ms; 16 tokens' 0.24 TFLOP at ~790 TFLOP/s is
+# ~0.3 ms), so verifying costs one step; an eager 0.5B draft step is launch-bound at about 0.3 of an
+# eager 7B step (anchors.md section 9). benchmarks/gpu_check.py measures both on the device.
+CUDA_VERIFY_COST: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 1.0))
+CUDA_DRAFT_STEP = 0.3
+# the priors of each device kind: what a sampled call's schedule uses whatever ran before it
+PRIORS: dict[str, tuple[tuple[tuple[int, float], ...], float]] = {
+    "cpu": (DEFAULT_VERIFY_COST, DEFAULT_DRAFT_STEP),
+    "cuda": (CUDA_VERIFY_COST, CUDA_DRAFT_STEP),
+}
 TYPICAL_ACCEPTANCE = 0.7  # a draft model's acceptance per position before any evidence (Leviathan: 0.6-0.8)
 
 
@@ -259,6 +274,17 @@ class VerifyCost:
         """The prior alone, learning nothing (for sampled calls: no dependence on timing)."""
         return VerifyCost(self.prior, self.draft_step_prior, learn=False)
 
+    @classmethod
+    def for_device(cls, device: torch.device | str | None) -> VerifyCost:
+        """A cost model starting from the priors of ``device``'s kind (``PRIORS``; others: the CPU's).
+
+        Per kind, not per dtype: the curves' shape comes from where a pass is bound (memory on a
+        GPU; on a CPU the kernels' row handling), which the dtype does not change.
+        """
+        kind = torch.device(device).type if device is not None else "cpu"
+        curve, step = PRIORS.get(kind, PRIORS["cpu"])
+        return cls(curve, step)
+
 
 # --- the schedule of a draft model ------------------------------------------------------------------
 
@@ -368,24 +394,75 @@ class ConfidenceSchedule:
         self.confidences, self.survivals = [], []
 
 
-class PassTimer:
-    """Times verify passes from a drafter's side: from the end of ``propose`` to ``feedback``.
+class DeviceClock:
+    """Marks on a device's timeline, and the seconds between two of them once both have passed.
 
-    The first pass of a call also prefills the prompt's uncached part, so it is not timed.
+    On CUDA a mark is an event recorded on the device's current stream: the host runs ahead of the
+    GPU, so ``time.perf_counter()`` would time the queueing, and reading an interval that has not
+    run yet would wait for it (a host sync): ``seconds`` answers None until its end has run
+    (``Event.query``). Elsewhere a mark is ``time.perf_counter()``, already the device's time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else None
+        self.cuda = self.device is not None and self.device.type == "cuda"
+
+    def mark(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start, end) -> float | None:
+        if not self.cuda:
+            return end - start
+        if not end.query():
+            return None
+        return start.elapsed_time(end) / 1000.0
+
+
+class PassTimer:
+    """Times verify passes from a drafter's side, from the end of ``propose`` to ``feedback``, and a
+    draft model's one-token steps, on the device's clock (``DeviceClock``).
+
+    The first pass of a call also prefills the prompt's uncached part, so it is not timed. On a GPU
+    an interval is read once the device has run it (a pass or two later), never waited for.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.clock = DeviceClock(device)
         self.reset()
 
     def reset(self) -> None:
-        self._t: float | None = None
+        self._t: float | torch.cuda.Event | None = None
         self._passes = 0
+        self._pending: deque = deque()  # (verified tokens or None for a draft step, start, end)
 
     def proposed(self) -> None:
-        self._t = time.perf_counter()
+        self._t = self.clock.mark()
 
     def verified(self, cost: VerifyCost, n_drafted: int) -> None:
         if self._t is not None and self._passes > 0:
-            cost.observe_pass(n_drafted + 1, time.perf_counter() - self._t)
+            self._pending.append((n_drafted + 1, self._t, self.clock.mark()))
         self._passes += 1
         self._t = None
+        self._read(cost)
+
+    def draft_step(self, cost: VerifyCost, start: float | torch.cuda.Event) -> None:
+        """One draft-model step ran from ``start`` (a ``clock.mark()``) to now."""
+        self._pending.append((None, start, self.clock.mark()))
+        self._read(cost)
+
+    def _read(self, cost: VerifyCost) -> None:
+        """Hand ``cost`` the intervals that have run, in order."""
+        while self._pending:
+            n, start, end = self._pending[0]
+            seconds = self.clock.seconds(start, end)
+            if seconds is None:
+                return
+            self._pending.popleft()
+            if n is None:
+                cost.observe_draft(seconds)
+            else:
+                cost.observe_pass(n, seconds)

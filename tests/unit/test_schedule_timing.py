@@ -1,0 +1,61 @@
+"""The schedule's priors per device kind, and pass timings read on the device's clock without waiting."""
+
+import torch
+
+from agentspec.drafters.schedule import (
+    CUDA_DRAFT_STEP,
+    CUDA_VERIFY_COST,
+    DEFAULT_DRAFT_STEP,
+    DEFAULT_VERIFY_COST,
+    DeviceClock,
+    PassTimer,
+    VerifyCost,
+)
+
+
+def test_priors_follow_the_device_kind():
+    cpu, cuda = VerifyCost.for_device("cpu"), VerifyCost.for_device(torch.device("cuda", 1))
+    assert (cpu.prior, cpu.draft_step_prior) == (DEFAULT_VERIFY_COST, DEFAULT_DRAFT_STEP)
+    assert (cuda.prior, cuda.draft_step_prior) == (CUDA_VERIFY_COST, CUDA_DRAFT_STEP)
+    assert VerifyCost.for_device("meta").prior == DEFAULT_VERIFY_COST  # a kind without priors: the CPU's
+    assert cuda.verify(5) == 1.0 and cpu.verify(2) > 1.5
+    # a sampled call's frozen copy keeps its device's prior, learning nothing
+    frozen = cuda.frozen()
+    frozen.observe_pass(2, 1.0)
+    assert frozen.curve() == CUDA_VERIFY_COST and frozen.draft_step == CUDA_DRAFT_STEP
+
+
+def test_cpu_timer_hands_over_passes_after_the_first_and_draft_steps():
+    cost, timer = VerifyCost(min_samples=1), PassTimer("cpu")
+    for drafted in (3, 3, 1):
+        timer.proposed()
+        timer.verified(cost, drafted)
+    assert sorted(cost.times) == [2, 4] and len(cost.times[4]) == 1  # the first pass (a prefill) is not timed
+    timer.draft_step(cost, timer.clock.mark())
+    assert len(cost.draft_times) == 1 and cost.draft_times[0] >= 0
+
+
+class _Queued(DeviceClock):
+    """A clock whose intervals have not run until ``run()``: what CUDA events look like to the host."""
+
+    def __init__(self):
+        super().__init__("cpu")
+        self.ran = False
+
+    def seconds(self, start, end):
+        return end - start if self.ran else None
+
+
+def test_timings_wait_for_the_device_and_keep_their_order():
+    cost, timer = VerifyCost(min_samples=1), PassTimer()
+    timer.clock = _Queued()
+    timer.proposed()
+    timer.verified(cost, 2)  # the first pass: untimed
+    timer.proposed()
+    timer.verified(cost, 2)
+    timer.draft_step(cost, timer.clock.mark())
+    assert not cost.times and not cost.draft_times  # nothing read before the device ran it
+    timer.clock.ran = True
+    timer.proposed()
+    timer.verified(cost, 1)
+    assert sorted(cost.times) == [2, 3] and len(cost.draft_times) == 1
