@@ -63,10 +63,15 @@ def forward_retrying(
     except Exception as exc:
         if not is_oom(exc):
             raise
-        failure = exc
+        failure = _without_frames(exc)
 
     def attempt():
-        out = state.forward(state.sync(covered) + new_ids, keep, hidden)
+        try:
+            out = state.forward(state.sync(covered) + new_ids, keep, hidden)
+        except Exception as exc:
+            if is_oom(exc):  # tenacity keeps the failure while it frees memory: not its frames
+                raise _without_frames(exc) from None
+            raise
         return (out[0], out[1][-len(new_ids) :]) if hidden else out  # hidden rows: new_ids' only
 
     def free_all(attempt_number: int) -> None:
@@ -101,6 +106,12 @@ def forward_retrying(
         f"prompt, fewer max_tokens, a smaller dtype or draft, or a smaller prefix-cache budget "
         f"({type(failure).__name__}: {str(failure)[:200]})"
     ) from failure
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` without its traceback: the failed pass's frames hold its activations, which must be
+    unreachable before memory is freed and the pass retried."""
+    return exc.with_traceback(None)
 
 
 @contextlib.contextmanager
