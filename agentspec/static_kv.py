@@ -1,0 +1,186 @@
+"""A model's preallocated (static) KV cache together with the token ids it covers.
+
+``StaticState`` has ``ModelState``'s interface (``agentspec.kv``) over transformers' static
+cache layers: every layer's keys and values live in buffers [1, H, capacity, D] allocated once,
+and position p of the sequence is row p of each buffer. A pass writes its rows in place; rolling
+back moves the length and nothing else (the rows past it are overwritten by the next pass), as in
+gpt-fast. That fixed layout is what lets the draft's one-token step be compiled once
+(``compiled=True``: ``torch.compile(mode="reduce-overhead")``, CUDA graphs on a GPU): its input
+ids, positions, mask and cache all have the same shapes on every step, so it attends over every
+row of the buffers (masked past the length). An eager pass attends over the rows it needs only
+(``RowsLayer``): otherwise every step would read the whole capacity, which on a CPU costs more
+than the draft's weights.
+
+Invariant (asserted by ``check``): ``length == len(ids) <= capacity``; the first ``length`` rows
+of every layer hold the keys and values of ``ids``. The length is kept here as a Python int, and
+mirrored in place into each layer's ``cumulative_length`` (a device tensor that transformers
+reads for write positions and masks); it is never read back from the device, which would wait
+for the device on every pass.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from transformers import Cache, StaticCache
+from transformers.cache_utils import StaticLayer
+
+from agentspec.kv import common_prefix_len, few_rows_pass, final_hidden
+
+MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many tokens
+
+Segments = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, n, D]
+
+
+class CapacityError(ValueError):
+    """A feed past the preallocated capacity of a ``StaticState``."""
+
+
+class RowsLayer(StaticLayer):
+    """transformers' ``StaticLayer``, whose attention reads only the first ``rows`` rows of its buffers."""
+
+    def __init__(self, max_cache_len: int):
+        super().__init__(max_cache_len=max_cache_len)
+        self.rows = max_cache_len  # set by StaticState before each pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        return keys[:, :, : self.rows], values[:, :, : self.rows]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.rows, 0  # mask columns: the rows read, from position 0
+
+
+def static_cache(config, capacity: int) -> Cache:
+    """A cache of ``RowsLayer``s, one per layer; every layer must be a full-attention one."""
+    layers = StaticCache(config=config, max_cache_len=capacity).layers  # allocated lazily: nothing yet
+    kinds = {type(layer).__name__ for layer in layers}
+    if kinds != {StaticLayer.__name__}:
+        raise ValueError(
+            f"a static KV state needs full-attention layers only; this model has {sorted(kinds)}"
+        )
+    return Cache(layers=[RowsLayer(capacity) for _ in layers])
+
+
+class StaticState:
+    """One model's static KV cache and the ids whose keys and values it holds (``ModelState``'s interface)."""
+
+    def __init__(self, model, capacity: int | None = None, compiled: bool = False):
+        self.model = model
+        context = model.config.get_text_config(decoder=True).max_position_embeddings
+        self.capacity = capacity if capacity is not None else min(context, MAX_CAPACITY)
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be positive, got {self.capacity}")
+        self.cache = static_cache(model.config, self.capacity)
+        self.compiled = compiled  # compile the one-token step (torch.compile, CUDA graphs on a GPU)
+        self._step = None  # the compiled one-token forward, built on its first use
+        self.length = 0  # positions held: the cache's length, kept on the host
+        self.ids: list[int] = []
+
+    def check(self) -> None:
+        n = self.length
+        assert n == len(self.ids) <= self.capacity, (
+            f"KV cache out of step: {n=} {len(self.ids)=} {self.capacity=}"
+        )
+
+    @torch.inference_mode()  # the buffers are inference tensors once a pass has made them
+    def _set_length(self, length: int) -> None:
+        """Move the cache's length to ``length``; the buffers stay where they are (no copies)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(length)  # in place: a compiled step keeps its address
+        self.length = length
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens (roll back the rest)."""
+        if length < self.length:
+            self._set_length(length)
+            del self.ids[length:]
+        self.check()
+
+    def sync(self, seq: list[int]) -> list[int]:
+        """Roll back to the longest common prefix with ``seq``; return the ids still to feed."""
+        self.truncate(common_prefix_len(self.ids, seq))
+        return seq[len(self.ids) :]
+
+    @torch.inference_mode()
+    def load(self, segments: Segments, ids: list[int]) -> None:
+        """Hold ``ids``, whose keys and values per layer are ``segments`` ([1, H, len(ids), D] each).
+
+        The segments are copied into the preallocated buffers (a prefix-cache restore): the state
+        owns its memory, so the segments may be freed or reused afterwards.
+        """
+        n = len(ids)
+        self._fits(n, 0)
+        layers = self.cache.layers
+        assert len(segments) == len(layers), f"{len(segments)=} {len(layers)=}"
+        for layer, (k, v) in zip(layers, segments, strict=True):
+            assert k.shape[2] == v.shape[2] == n, f"segment of {k.shape[2]} rows for {n} ids"
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            layer.keys[:, :, :n].copy_(k)
+            layer.values[:, :, :n].copy_(v)
+        self._set_length(n)
+        self.ids = list(ids)
+        self.check()
+
+    def _fits(self, n: int, start: int) -> None:
+        if start + n > self.capacity:
+            raise CapacityError(
+                f"{n} tokens after {start} exceed the static KV cache's capacity of {self.capacity}; "
+                "build the StaticState with a larger capacity"
+            )
+
+    @torch.inference_mode()
+    def forward(self, new_ids: list[int], keep: int, hidden: bool = False):
+        """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
+
+        With ``hidden``, return (logits, the final norm's output for ``new_ids`` [len(new_ids), H]).
+        A compiled state runs one-token feeds without ``hidden`` through the compiled step.
+        """
+        assert new_ids, "forward needs at least one new token"
+        n, start = len(new_ids), self.length
+        self._fits(n, start)
+        device = self.model.device
+        x = torch.tensor([new_ids], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + n, device=device)[None]  # [1, n]
+        fixed = self.compiled and n == 1 and not hidden
+        for layer in self.cache.layers:
+            layer.rows = self.capacity if fixed else start + n
+        try:
+            if fixed:
+                logits, captured = self._compiled_step(x, positions), None
+            else:
+                logits, captured = self._eager(x, positions, keep, hidden)
+        except BaseException:
+            self.reset()  # a failed pass may have updated some layers only: start clean
+            raise
+        self.length = start + n  # each layer's cumulative_length advanced on the device already
+        self.ids.extend(new_ids)
+        self.check()
+        if captured is not None:
+            return logits[-keep:], captured[-1][0, -n:]
+        return logits[-keep:]
+
+    def _eager(self, x: torch.Tensor, positions: torch.Tensor, keep: int, hidden: bool):
+        with ExitStack() as stack:
+            stack.enter_context(few_rows_pass(x.shape[1]))
+            captured = stack.enter_context(final_hidden(self.model)) if hidden else None
+            out = self.model(
+                input_ids=x, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=keep
+            )
+        return out.logits[0], captured
+
+    def _compiled_step(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The one-token forward, compiled on first use for these fixed shapes; logits [1, V]."""
+        if self._step is None:
+            self._step = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
+        out = self._step(input_ids=x, position_ids=positions, cache=self.cache, use_cache=True)
+        # a CUDA graph's outputs are overwritten by its next replay: keep a copy
+        return out.logits[0].clone()
+
+    def reset(self) -> None:
+        """Hold nothing; the buffers (and a compiled step's graph over them) are kept for reuse."""
+        self._set_length(0)
+        self.ids = []
