@@ -4,10 +4,14 @@
 cache layers: every layer's keys and values live in buffers [1, H, capacity, D] allocated once,
 and position p of the sequence is row p of each buffer. A pass writes its rows in place; rolling
 back moves the length and nothing else (the rows past it are overwritten by the next pass), as in
-gpt-fast. That fixed layout is what lets the draft's one-token step be compiled once
-(``compiled=True``: ``torch.compile(mode="reduce-overhead")``, CUDA graphs on a GPU): its input
-ids, positions, mask and cache all have the same shapes on every step, so it attends over every
-row of the buffers (masked past the length). An eager pass attends over the rows it needs only
+gpt-fast. That fixed layout is what lets a pass be compiled once (``compiled=True``:
+``torch.compile(mode="reduce-overhead")``, CUDA graphs on a GPU): its input ids, positions, mask
+and cache have the same shapes on every call, so it attends over every row of the buffers
+(masked past the length). The compiled pass is ``width`` tokens wide: 1 for a draft's step;
+k + 1 for a target's verify pass, where a shorter feed is padded to the width and the padded rows
+rolled back after it. That is lossless: under the causal mask no real row reads a padded one, so
+the real rows' logits are those of the unpadded pass (up to the rounding of another GEMM shape,
+as between a verify pass and one-token steps). An eager pass attends over the rows it needs only
 (``RowsLayer``): otherwise every step would read the whole capacity, which on a CPU costs more
 than the draft's weights.
 
@@ -66,15 +70,18 @@ def static_cache(config, capacity: int) -> Cache:
 class StaticState:
     """One model's static KV cache and the ids whose keys and values it holds (``ModelState``'s interface)."""
 
-    def __init__(self, model, capacity: int | None = None, compiled: bool = False):
+    def __init__(self, model, capacity: int | None = None, compiled: bool = False, width: int = 1):
         self.model = model
         context = model.config.get_text_config(decoder=True).max_position_embeddings
         self.capacity = capacity if capacity is not None else min(context, MAX_CAPACITY)
         if self.capacity < 1:
             raise ValueError(f"capacity must be positive, got {self.capacity}")
         self.cache = static_cache(model.config, self.capacity)
-        self.compiled = compiled  # compile the one-token step (torch.compile, CUDA graphs on a GPU)
-        self._step = None  # the compiled one-token forward, built on its first use
+        if not 1 <= width <= self.capacity:
+            raise ValueError(f"width must be in 1..capacity ({self.capacity}), got {width}")
+        self.compiled = compiled  # compile passes of up to ``width`` tokens (CUDA graphs on a GPU)
+        self.width = width  # the compiled pass's tokens: shorter feeds are padded to it
+        self._step = None  # the compiled forward, built on its first use
         self.length = 0  # positions held: the cache's length, kept on the host
         self.ids: list[int] = []
 
@@ -137,26 +144,32 @@ class StaticState:
         """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
 
         With ``hidden``, return (logits, the final norm's output for ``new_ids`` [len(new_ids), H]).
-        A compiled state runs one-token feeds without ``hidden`` through the compiled step.
+        A compiled state runs feeds of up to ``width`` tokens without ``hidden`` through the compiled
+        pass (padded to ``width``; the padded rows are rolled back).
         """
         assert new_ids, "forward needs at least one new token"
         n, start = len(new_ids), self.length
-        self._fits(n, start)
+        # near the capacity, a feed that fits only unpadded runs eager
+        fixed = self.compiled and n <= self.width and not hidden and start + self.width <= self.capacity
+        fed = new_ids + new_ids[-1:] * (self.width - n) if fixed else new_ids  # any id pads: none is read
+        self._fits(len(fed), start)
         device = self.model.device
-        x = torch.tensor([new_ids], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + n, device=device)[None]  # [1, n]
-        fixed = self.compiled and n == 1 and not hidden
+        x = torch.tensor([fed], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + len(fed), device=device)[None]  # [1, len(fed)]
         for layer in self.cache.layers:
             layer.rows = self.capacity if fixed else start + n
         try:
             if fixed:
-                logits, captured = self._compiled_step(x, positions), None
+                logits, captured = self._compiled_pass(x, positions, n), None
             else:
                 logits, captured = self._eager(x, positions, keep, hidden)
         except BaseException:
             self.reset()  # a failed pass may have updated some layers only: start clean
             raise
-        self.length = start + n  # each layer's cumulative_length advanced on the device already
+        if len(fed) > n:
+            self._set_length(start + n)  # the padded rows: rolled back like a rejected draft
+        else:
+            self.length = start + n  # each layer's cumulative_length advanced on the device already
         self.ids.extend(new_ids)
         self.check()
         if captured is not None:
@@ -172,13 +185,13 @@ class StaticState:
             )
         return out.logits[0], captured
 
-    def _compiled_step(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The one-token forward, compiled on first use for these fixed shapes; logits [1, V]."""
+    def _compiled_pass(self, x: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``width``-token forward, compiled on first use for these fixed shapes; logits [n, V]."""
         if self._step is None:
             self._step = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
         out = self._step(input_ids=x, position_ids=positions, cache=self.cache, use_cache=True)
-        # a CUDA graph's outputs are overwritten by its next replay: keep a copy
-        return out.logits[0].clone()
+        # the real rows, copied: a CUDA graph's outputs are overwritten by its next replay
+        return out.logits[0, :n].clone()
 
     def reset(self) -> None:
         """Hold nothing; the buffers (and a compiled step's graph over them) are kept for reuse."""

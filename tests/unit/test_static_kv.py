@@ -10,6 +10,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import agentspec
 from agentspec.attention import use_grouped_sdpa
+from agentspec.config import GenerationConfig
+from agentspec.decode import decode
 from agentspec.drafters.model import ModelDrafter
 from agentspec.kv import ModelState
 from agentspec.models import ModelPair
@@ -181,3 +183,32 @@ def test_the_compiled_step_matches_the_eager_one(hf_greedy, pair):
     result = agentspec.generate(pair, prompt, drafter=drafter, prefix_cache=False, max_new_tokens=16)
     assert result.token_ids == hf_greedy(pair.target, prompt, 16)
     assert drafter.state.compiled and result.stats.accepted_tokens > 0
+
+
+def test_a_compiled_verify_pass_pads_to_its_width(pair, hf_greedy):
+    """The target's verify pass compiled at width k + 1: shorter feeds are padded, then rolled back."""
+    model = pair.target
+    seq = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    a, b = ModelState(model), StaticState(model, capacity=48, compiled=True, width=4)
+    both(a, b, seq[:20], keep=1)  # wider than 4: eager
+    at = 20
+    for n in (4, 1, 3, 2):  # every feed of up to 4 tokens runs the one compiled graph
+        both(a, b, seq[at : at + n], keep=n)
+        at += n
+    assert b._step is not None and lengths(b) == [at, at]
+    for s in (a, b):
+        s.truncate(25)
+    both(a, b, seq[25:27], keep=2)
+    prompt = [5, 9, 11, 40, 2]
+    target = StaticState(model, capacity=64, compiled=True, width=4)
+    config = GenerationConfig(max_new_tokens=16, num_draft_tokens=3)
+    steps = list(decode(pair, prompt, config, drafter=ModelDrafter(pair.draft, VOCAB), target=target))
+    assert [t for step in steps for t in step.tokens] == hf_greedy(model, prompt, 16)
+    assert len(target.ids) == len(prompt) + 15 and target._step is not None  # the last token: not fed yet
+
+
+def test_a_padded_feed_that_does_not_fit_runs_eager(target):
+    s = StaticState(target, capacity=10, compiled=True, width=4)
+    s.forward(list(range(8)), keep=1)
+    s.forward([8], keep=1)  # 9 + 3 padded rows would pass the capacity: eager, unpadded
+    assert s._step is None and s.length == 9
