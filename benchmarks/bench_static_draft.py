@@ -1,15 +1,16 @@
-"""The draft's one-token step: DynamicCache vs static cache, eager vs ``torch.compile``.
+"""The draft's one-token step and a verify-width pass: DynamicCache vs static cache, eager vs compiled.
 
 Run from the repository root (a few minutes on a CPU: compiling the 135M model is most of it):
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_static_draft [--context 256] [--repeats 20] [--device cpu] \
-        [--capacities 0 512]
+        [--capacities 0 512] [--widths 1 5]
 
 For a tiny random Llama and the embedded draft (SmolLM2-135M-Instruct), after a prefill of
 ``--context`` tokens, times one-token steps of ``ModelState`` (DynamicCache, eager),
 ``StaticState`` eager, and ``StaticState(compiled=True)`` (``mode="reduce-overhead"``: CUDA graphs
 on a GPU, inductor's code on a CPU), each step rolled back after it so every step sees the same
-context, interleaved repeat by repeat (the order rotating) so drift hits all alike. Reports
+context, interleaved repeat by repeat (the order rotating) so drift hits all alike; then the
+same for passes of ``--widths`` tokens (k + 1: a verify pass, compiled at that width). Reports
 median step times, the compiled step's speed-up over each eager one, the time of the first
 compiled call (compiling), and the largest logit difference from the DynamicCache step. Each
 model is timed at each of ``--capacities`` (0: ``StaticState``'s default, the model's context up
@@ -28,10 +29,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import agentspec
+from agentspec.attention import use_grouped_sdpa
 from agentspec.kv import ModelState
+from agentspec.models import ensure_default_model
 from agentspec.static_kv import StaticState
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +51,20 @@ def tiny_llama(device: torch.device) -> LlamaForCausalLM:
         num_key_value_heads=2,
         max_position_embeddings=8192,
     )
-    return LlamaForCausalLM(config).eval().to(device)
+    model = LlamaForCausalLM(config)
+    use_grouped_sdpa(model)
+    return model.eval().to(device)
+
+
+def embedded_135m(device: torch.device):
+    """The embedded 135M model as a draft (the embedded pair's own draft is an EAGLE head).
+
+    Loaded with transformers alone: a pair's ``WeightFirst`` linears read a ContextVar, which
+    ``torch.compile`` cannot trace (a graph break per step), and a one-token step does not use them.
+    """
+    model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
+    use_grouped_sdpa(model)
+    return model.eval().to(device)
 
 
 def sync(device: torch.device) -> None:
@@ -57,30 +72,31 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_model(name: str, model, capacity: int | None, args, device: torch.device) -> dict:
+def time_model(name: str, model, capacity: int | None, width: int, args, device: torch.device) -> dict:
+    """Median times of passes of ``width`` tokens after the context, for each kind of state."""
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (args.context,)).tolist()
     states = {
         "dynamic": ModelState(model),
         "static": StaticState(model, capacity=capacity),
-        "compiled": StaticState(model, capacity=capacity, compiled=True),
+        "compiled": StaticState(model, capacity=capacity, compiled=True, width=width),
     }
     for s in states.values():
         s.forward(prompt, keep=1)
     t0 = time.perf_counter()
-    states["compiled"].forward([1], keep=1)  # the first call compiles
+    states["compiled"].forward([1] * width, keep=width)  # the first call compiles
     sync(device)
     compile_s = time.perf_counter() - t0
     states["compiled"].truncate(args.context)
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     diff = 0.0
     for r in range(args.repeats + 1):  # the first round warms up
-        token = [int(torch.randint(0, vocab, ()))]
+        tokens = torch.randint(0, vocab, (width,)).tolist()
         logits = {}
         for kind in KINDS[r % 3 :] + KINDS[: r % 3]:
             sync(device)
             t0 = time.perf_counter()
-            logits[kind] = states[kind].forward(token, keep=1)
+            logits[kind] = states[kind].forward(tokens, keep=width)
             sync(device)
             if r:
                 times[kind].append(time.perf_counter() - t0)
@@ -90,6 +106,7 @@ def time_model(name: str, model, capacity: int | None, args, device: torch.devic
     row = {
         "model": name,
         "context": args.context,
+        "tokens_per_pass": width,
         "capacity": states["static"].capacity,
         **{f"{k}_ms": med[k] for k in KINDS},
         "compiled_vs_dynamic": med["dynamic"] / med["compiled"],
@@ -99,7 +116,7 @@ def time_model(name: str, model, capacity: int | None, args, device: torch.devic
         "max_abs_logit_diff": diff,
     }
     print(
-        f"{name}, capacity {row['capacity']}: dynamic {med['dynamic']:.2f} ms  static "
+        f"{name}, capacity {row['capacity']}, {width} tokens: dynamic {med['dynamic']:.2f} ms  static "
         f"{med['static']:.2f} ms  compiled {med['compiled']:.2f} ms "
         f"(x{row['compiled_vs_dynamic']:.2f} vs dynamic; compiling {compile_s:.0f} s)  "
         f"max|dlogit| {diff:.2g}",
@@ -113,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--capacities", type=int, nargs="+", default=[0, 512], help="0: StaticState's default")
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 5], help="tokens per pass: 1, or k + 1")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", nargs="+", default=["tiny", "draft"], choices=["tiny", "draft"])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/static_draft.json")
@@ -124,11 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "tiny":
             label, model = "tiny random Llama (2 layers, hidden 64)", tiny_llama(device)
         else:
-            # the embedded pair's own draft is an EAGLE head; without one its target is the 135M model
-            label = "SmolLM2-135M-Instruct (embedded draft)"
-            model = agentspec.load_pair(draft_model=False).target.to(device)
+            label, model = "SmolLM2-135M-Instruct (embedded draft)", embedded_135m(device)
         for capacity in args.capacities:
-            rows.append(time_model(label, model, capacity or None, args, device))
+            for width in args.widths:
+                rows.append(time_model(label, model, capacity or None, width, args, device))
     result = {
         "benchmark": "static_draft",
         "dtype": "float32",
