@@ -42,15 +42,25 @@ class CapacityError(ValueError):
 
 
 class RowsLayer(StaticLayer):
-    """transformers' ``StaticLayer``, whose attention reads only the first ``rows`` rows of its buffers."""
+    """transformers' ``StaticLayer``, told by ``StaticState`` what each pass reads.
+
+    An eager pass reads the first ``rows`` rows of the buffers only, and its offset is the host's
+    ``length`` (transformers' mask builder compares the offset with 0: on the device tensor that
+    is a sync per pass). A compiled pass (``length`` None) reads every row and the device tensor,
+    so its shapes and code are the same on every call.
+    """
 
     def __init__(self, max_cache_len: int):
         super().__init__(max_cache_len=max_cache_len)
-        self.rows = max_cache_len  # set by StaticState before each pass
+        self.rows = max_cache_len  # rows a pass reads
+        self.length: int | None = 0  # positions held, on the host; None during a compiled pass
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         return keys[:, :, : self.rows], values[:, :, : self.rows]
+
+    def get_seq_length(self):
+        return self.cumulative_length if self.length is None else self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.rows, 0  # mask columns: the rows read, from position 0
@@ -98,6 +108,12 @@ class StaticState:
             if layer.is_initialized:
                 layer.cumulative_length.fill_(length)  # in place: a compiled step keeps its address
         self.length = length
+        self._place(self.capacity, length)
+
+    def _place(self, rows: int, length: int | None) -> None:
+        """Tell every layer the rows the next pass reads and the length it starts from (``RowsLayer``)."""
+        for layer in self.cache.layers:
+            layer.rows, layer.length = rows, length
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (roll back the rest)."""
@@ -156,8 +172,10 @@ class StaticState:
         device = self.model.device
         x = torch.tensor([fed], dtype=torch.long, device=device)
         positions = torch.arange(start, start + len(fed), device=device)[None]  # [1, len(fed)]
-        for layer in self.cache.layers:
-            layer.rows = self.capacity if fixed else start + n
+        if fixed:
+            self._place(self.capacity, None)
+        else:
+            self._place(start + n, start)
         try:
             if fixed:
                 logits, captured = self._compiled_pass(x, positions, n), None
@@ -170,6 +188,7 @@ class StaticState:
             self._set_length(start + n)  # the padded rows: rolled back like a rejected draft
         else:
             self.length = start + n  # each layer's cumulative_length advanced on the device already
+        self._place(self.capacity, self.length)
         self.ids.extend(new_ids)
         self.check()
         if captured is not None:

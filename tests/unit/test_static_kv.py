@@ -10,6 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import agentspec
 from agentspec.attention import use_grouped_sdpa
+from agentspec.bench.syncs import HostSyncs
 from agentspec.config import GenerationConfig
 from agentspec.decode import decode
 from agentspec.drafters.model import ModelDrafter
@@ -73,6 +74,23 @@ def test_logits_match_through_roll_backs_and_re_feeds(model):
     for s in (a, b):
         s.reset()
     both(a, b, seq[40:50], keep=2)  # reused from empty: old rows are overwritten, never read
+
+
+def test_passes_and_roll_backs_read_no_device_values(target):
+    """The length lives on the host: nothing here would wait for a GPU (transformers' mask builder
+    reads a static cache's length tensor unless the layers give it the host's)."""
+    s = StaticState(target, capacity=64)
+    s.forward(list(range(10)), keep=1)
+    segments = [(layer.keys[:, :, :10].clone(), layer.values[:, :, :10].clone()) for layer in s.cache.layers]
+    with HostSyncs() as syncs:
+        for i in range(4):
+            s.forward([i, i + 1, i + 2], keep=3)  # a verify-shaped pass
+            s.truncate(11 + i)
+            s.forward([i], keep=1)
+            s.sync(s.ids[:-1] + [63])
+        s.load(segments, list(range(10)))
+        s.reset()
+    assert syncs.count == 0, syncs.where
 
 
 def test_hidden_states_match(target):
