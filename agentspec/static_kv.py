@@ -37,6 +37,15 @@ MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many 
 Segments = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, n, D]
 
 
+def ids_on(device: torch.device, ids: list[int]) -> torch.Tensor:
+    """``ids`` as a [1, n] tensor on ``device``; to a GPU from pinned memory, without waiting for it."""
+    host = torch.tensor([ids], dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    # the caching host allocator keeps the pinned block until the copy has run
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class CapacityError(ValueError):
     """A feed past the preallocated capacity of a ``StaticState``."""
 
@@ -170,7 +179,7 @@ class StaticState:
         fed = new_ids + new_ids[-1:] * (self.width - n) if fixed else new_ids  # any id pads: none is read
         self._fits(len(fed), start)
         device = self.model.device
-        x = torch.tensor([fed], dtype=torch.long, device=device)
+        x = ids_on(device, fed)
         positions = torch.arange(start, start + len(fed), device=device)[None]  # [1, len(fed)]
         if fixed:
             self._place(self.capacity, None)
