@@ -16,10 +16,11 @@ as between a verify pass and one-token steps). An eager pass attends over the ro
 than the draft's weights.
 
 Invariant (asserted by ``check``): ``length == len(ids) <= capacity``; the first ``length`` rows
-of every layer hold the keys and values of ``ids``. The length is kept here as a Python int, and
-mirrored in place into each layer's ``cumulative_length`` (a device tensor that transformers
-reads for write positions and masks); it is never read back from the device, which would wait
-for the device on every pass.
+of every layer hold the keys and values of ``ids``. The length is kept here as a Python int,
+mirrored in place into each layer's ``cumulative_length`` (the device tensor from which
+transformers' layers take their write positions) and handed to the layers for eager passes'
+masks (``RowsLayer.length``); it is never read back from the device, which would wait for the
+device on every pass.
 """
 
 from __future__ import annotations
