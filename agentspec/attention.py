@@ -1,15 +1,20 @@
-"""Grouped-query attention on CPUs without copying the KV cache for every verify pass.
+"""Grouped-query attention over a mask without copying the KV cache, on every device.
 
 transformers' ``sdpa`` attention expands the key/value heads to one copy per query head
-(``repeat_kv``) whenever more than one query token comes with a mask: CUDA's fused SDPA kernels
-need that. A speculative verify pass is exactly that case (k + 1 query tokens, a causal mask
-over the cache), so on a CPU every layer of every pass copies the whole cache, num_key_value_groups
-times over. PyTorch's CPU SDPA handles grouped heads itself (``enable_gqa=True``). ``agentspec_sdpa``
-is transformers' ``sdpa`` with that one case changed, registered through transformers'
-``AttentionInterface`` (and ``sdpa``'s mask builder), so a model opts in with
-``model.set_attn_implementation("agentspec_sdpa")``. ``benchmarks/bench_attention.py`` measures
-what it saves on verify passes (``benchmarks/results/attention.json``), with bit-identical logits.
-Every other case (GPUs, one-token steps, position bias, softcap) is transformers' own path.
+(``repeat_kv``) whenever more than one query token comes with a mask: CUDA's fused kernels take
+grouped heads (``enable_gqa``) only without a mask. A speculative verify pass is exactly that case
+(k + 1 query tokens, a causal mask over the cache), so every layer of every pass copies the whole
+cache, num_key_value_groups times over (for a 7B at long context, more bytes than its weights).
+
+``agentspec_sdpa`` folds the query groups into rows instead (``fold_groups``): the G query heads
+that share a KV head become G x q rows of one head, the mask repeated for each group (a small
+tensor), so SDPA runs with the KV heads as they are and any kernel that takes a mask (CUDA's
+memory-efficient one, the CPU's) does the work. This is transformers' own ``pack_gqa`` (which it
+uses for one query token, outside ``torch.compile``) extended to several rows. Registered through
+transformers' ``AttentionInterface`` (and ``sdpa``'s mask builder), so a model opts in with
+``model.set_attn_implementation("agentspec_sdpa")``. ``benchmarks/bench_attention.py`` times it
+against ``repeat_kv`` and ``enable_gqa`` on verify passes (logits equal within float32 rounding).
+Every other case (no mask, position bias, softcap, a per-head mask) is transformers' own path.
 """
 
 from __future__ import annotations
@@ -22,17 +27,30 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "agentspec_sdpa"
 
 
+def fold_groups(query: torch.Tensor, mask: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query [B, Hkv*G, q, D] -> [B, Hkv, G*q, D]; mask [b, 1, q, kv] -> [b, 1, G*q, kv].
+
+    Query head h reads KV head h // G (``repeat_kv``'s order), so the G heads of a KV head are
+    adjacent and fold into its rows; row g*q + i of the folded mask is row i of the mask.
+    """
+    batch, heads, q_len, dim = query.shape
+    folded = query.reshape(batch, heads // groups, groups * q_len, dim)
+    if mask.shape[2] == 1:  # one row broadcasts over every folded row
+        return folded, mask
+    b, _, _, kv_len = mask.shape
+    rows = mask[:, :, None].expand(b, 1, groups, q_len, kv_len).reshape(b, 1, groups * q_len, kv_len)
+    return folded, rows
+
+
 def grouped_sdpa_forward(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
-    """``sdpa`` attention; on CPU, several query tokens attend to grouped KV heads without copies."""
+    """``sdpa`` attention; with a mask, query groups fold into rows of the KV heads (no KV copies)."""
     groups = getattr(module, "num_key_value_groups", 1)
-    q_len, kv_len = query.shape[2], key.shape[2]
     plain = (
-        query.device.type != "cpu"
-        or groups == 1
-        or q_len == 1  # transformers already folds the groups into the query for one token
-        or (attention_mask is None and q_len != kv_len)  # its causal-alignment special case
+        groups == 1
+        or attention_mask is None  # transformers then uses the kernels' own grouped heads
+        or attention_mask.shape[1] != 1  # a mask per head does not fold
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
         or kwargs.get("output_attentions", False)
@@ -49,19 +67,12 @@ def grouped_sdpa_forward(
             is_causal=is_causal,
             **kwargs,
         )
-    causal = attention_mask is None and (
-        is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    )
+    batch, heads, q_len, dim = query.shape
+    folded, mask = fold_groups(query, attention_mask, groups)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=causal,
-        enable_gqa=True,
-    )
+        folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )  # [B, Hkv, G*q, Dv]
+    out = out.reshape(batch, heads, q_len, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -70,11 +81,9 @@ AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def use_grouped_sdpa(model) -> bool:
-    """Switch a CPU model that runs transformers' ``sdpa`` to ``agentspec_sdpa``; True if switched."""
+    """Switch a model that runs transformers' ``sdpa`` to ``agentspec_sdpa``; True if switched."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    if next(model.parameters()).device.type != "cpu":
         return False
     try:
         model.set_attn_implementation(NAME)

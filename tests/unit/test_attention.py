@@ -1,4 +1,4 @@
-"""``agentspec_sdpa``: transformers' sdpa attention, with grouped KV heads on CPU for multi-token passes."""
+"""``agentspec_sdpa``: transformers' sdpa attention, with query groups folded into rows over a mask."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import copy
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import agentspec
-from agentspec.attention import NAME, grouped_sdpa_forward, use_grouped_sdpa
+from agentspec.attention import NAME, fold_groups, grouped_sdpa_forward, use_grouped_sdpa
 from agentspec.models import ModelPair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,23 +53,57 @@ def test_speculative_output_is_unchanged(target, draft, tokenizer, hf_greedy):
         assert result.token_ids == hf_greedy(target, prompt, 12)
 
 
-def test_the_grouped_path_runs_only_where_it_applies(target, monkeypatch):
-    seen = []
+def test_the_fold_runs_only_where_it_applies(target, monkeypatch):
+    seen = []  # (query heads, enable_gqa) of each kernel call
     monkeypatch.setattr(
         torch.nn.functional,
         "scaled_dot_product_attention",
-        lambda *a, **k: seen.append(k.get("enable_gqa", False)) or torch.zeros_like(a[0]),
+        lambda *a, **k: seen.append((a[0].shape[1], k.get("enable_gqa", False))) or torch.zeros_like(a[0]),
     )
     twin = switched(target)
     module = twin.model.layers[0].self_attn
     q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 10, 8)
     mask = torch.zeros(1, 1, 3, 10, dtype=torch.bool)
-    grouped_sdpa_forward(module, q, kv, kv, mask)  # 3 query tokens, a mask: grouped
-    grouped_sdpa_forward(module, q[:, :, :1], kv, kv, mask[:, :, :1])  # one token: transformers' path
-    assert seen == [True, False]
+    grouped_sdpa_forward(module, q, kv, kv, mask)  # 3 query tokens, a mask: folded onto the 2 KV heads
+    grouped_sdpa_forward(module, q[:, :, :1], kv, kv, mask[:, :, :1])  # one token: folded too
+    grouped_sdpa_forward(module, q, kv, kv, None)  # no mask: transformers' path (the kernel's own groups)
+    grouped_sdpa_forward(module, q, kv, kv, mask.expand(1, 4, 3, 10))  # a mask per head: transformers'
+    assert seen == [(2, False), (2, False), (4, True), (4, False)]
+
+
+def test_folding_matches_the_reference_kernel(target):
+    """Against transformers' ``sdpa_attention_forward`` (``repeat_kv``), within float32 rounding."""
+    module = target.model.layers[0].self_attn  # 4 query heads on 2 KV heads
+    gen = torch.Generator().manual_seed(0)
+    for batch, q_len, kv_len in ((1, 1, 9), (1, 5, 40), (2, 17, 64)):
+        query = torch.randn(batch, q_len, 4, 8, generator=gen).transpose(1, 2)  # as the model lays it out
+        key, value = (torch.randn(batch, 2, kv_len, 8, generator=gen) for _ in range(2))
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        bool_mask = causal.expand(batch, 1, q_len, kv_len).clone()
+        bool_mask[-1, :, :, :3] = False  # left padding in the last row of the batch
+        float_mask = torch.zeros(bool_mask.shape).masked_fill(~bool_mask, torch.finfo(torch.float32).min)
+        for mask in (bool_mask, float_mask):
+            ours, _ = grouped_sdpa_forward(module, query, key, value, mask, scaling=0.3)
+            ref, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+            assert ours.shape == ref.shape == (batch, q_len, 4, 8)
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_folded_rows_follow_the_kv_heads():
+    query = torch.arange(6 * 3).reshape(1, 6, 3, 1)  # 6 query heads, 3 tokens
+    mask = torch.arange(3 * 4).reshape(1, 1, 3, 4)
+    folded, rows = fold_groups(query, mask, groups=3)  # 2 KV heads, 3 query heads each
+    assert folded.shape == (1, 2, 9, 1) and rows.shape == (1, 1, 9, 4)
+    assert folded[0, 1, :, 0].tolist() == query[0, 3:6, :, 0].flatten().tolist()  # heads 3..5 -> KV head 1
+    assert rows[0, 0, 4].tolist() == mask[0, 0, 1].tolist()  # row g*q + i is mask row i (g=1, i=1)
 
 
 def test_models_on_other_attention_are_left_alone(target):
     eager = copy.deepcopy(target)
     eager.set_attn_implementation("eager")
     assert not use_grouped_sdpa(eager) and eager.config._attn_implementation == "eager"
+
+
+def test_models_on_any_device_are_switched(target):
+    elsewhere = copy.deepcopy(target).to("meta")  # no GPU here: the switch must not look at the device
+    assert use_grouped_sdpa(elsewhere) and elsewhere.config._attn_implementation == NAME

@@ -1,0 +1,228 @@
+"""A model's preallocated (static) KV cache together with the token ids it covers.
+
+``StaticState`` has ``ModelState``'s interface (``agentspec.kv``) over transformers' static
+cache layers: every layer's keys and values live in buffers [1, H, capacity, D] allocated once,
+and position p of the sequence is row p of each buffer. A pass writes its rows in place; rolling
+back moves the length and nothing else (the rows past it are overwritten by the next pass), as in
+gpt-fast. That fixed layout is what lets a pass be compiled once (``compiled=True``:
+``torch.compile(mode="reduce-overhead")``, CUDA graphs on a GPU): its input ids, positions, mask
+and cache have the same shapes on every call, so it attends over every row of the buffers
+(masked past the length). The compiled pass is ``width`` tokens wide: 1 for a draft's step;
+k + 1 for a target's verify pass, where a shorter feed is padded to the width and the padded rows
+rolled back after it. That is lossless: under the causal mask no real row reads a padded one, so
+the real rows' logits are those of the unpadded pass (up to the rounding of another GEMM shape,
+as between a verify pass and one-token steps). An eager pass attends over the rows it needs only
+(``RowsLayer``): otherwise every step would read the whole capacity, which on a CPU costs more
+than the draft's weights.
+
+Invariant (asserted by ``check``): ``length == len(ids) <= capacity``; the first ``length`` rows
+of every layer hold the keys and values of ``ids``. The length is kept here as a Python int,
+mirrored in place into each layer's ``cumulative_length`` (the device tensor from which
+transformers' layers take their write positions) and handed to the layers for eager passes'
+masks (``RowsLayer.length``); it is never read back from the device, which would wait for the
+device on every pass.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from transformers import Cache, StaticCache
+from transformers.cache_utils import StaticLayer
+
+from agentspec.kv import common_prefix_len, few_rows_pass, final_hidden
+
+MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many tokens
+
+Segments = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, n, D]
+
+
+def ids_on(device: torch.device, ids: list[int]) -> torch.Tensor:
+    """``ids`` as a [1, n] tensor on ``device``; to a GPU from pinned memory, without waiting for it."""
+    host = torch.tensor([ids], dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    # the caching host allocator keeps the pinned block until the copy has run
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class CapacityError(ValueError):
+    """A feed past the preallocated capacity of a ``StaticState``."""
+
+
+class RowsLayer(StaticLayer):
+    """transformers' ``StaticLayer``, told by ``StaticState`` what each pass reads.
+
+    An eager pass reads the first ``rows`` rows of the buffers only, and its offset is the host's
+    ``length`` (transformers' mask builder compares the offset with 0: on the device tensor that
+    is a sync per pass). A compiled pass (``length`` None) reads every row and the device tensor,
+    so its shapes and code are the same on every call.
+    """
+
+    def __init__(self, max_cache_len: int):
+        super().__init__(max_cache_len=max_cache_len)
+        self.rows = max_cache_len  # rows a pass reads
+        self.length: int | None = 0  # positions held, on the host; None during a compiled pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        return keys[:, :, : self.rows], values[:, :, : self.rows]
+
+    def get_seq_length(self):
+        return self.cumulative_length if self.length is None else self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.rows, 0  # mask columns: the rows read, from position 0
+
+
+def static_cache(config, capacity: int) -> Cache:
+    """A cache of ``RowsLayer``s, one per layer; every layer must be a full-attention one."""
+    layers = StaticCache(config=config, max_cache_len=capacity).layers  # allocated lazily: nothing yet
+    kinds = {type(layer).__name__ for layer in layers}
+    if kinds != {StaticLayer.__name__}:
+        raise ValueError(
+            f"a static KV state needs full-attention layers only; this model has {sorted(kinds)}"
+        )
+    return Cache(layers=[RowsLayer(capacity) for _ in layers])
+
+
+class StaticState:
+    """One model's static KV cache and the ids whose keys and values it holds (``ModelState``'s interface)."""
+
+    def __init__(self, model, capacity: int | None = None, compiled: bool = False, width: int = 1):
+        self.model = model
+        context = model.config.get_text_config(decoder=True).max_position_embeddings
+        self.capacity = capacity if capacity is not None else min(context, MAX_CAPACITY)
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be positive, got {self.capacity}")
+        self.cache = static_cache(model.config, self.capacity)
+        if not 1 <= width <= self.capacity:
+            raise ValueError(f"width must be in 1..capacity ({self.capacity}), got {width}")
+        self.compiled = compiled  # compile passes of up to ``width`` tokens (CUDA graphs on a GPU)
+        self.width = width  # the compiled pass's tokens: shorter feeds are padded to it
+        self._step = None  # the compiled forward, built on its first use
+        self.length = 0  # positions held: the cache's length, kept on the host
+        self.ids: list[int] = []
+
+    def check(self) -> None:
+        n = self.length
+        assert n == len(self.ids) <= self.capacity, (
+            f"KV cache out of step: {n=} {len(self.ids)=} {self.capacity=}"
+        )
+
+    @torch.inference_mode()  # the buffers are inference tensors once a pass has made them
+    def _set_length(self, length: int) -> None:
+        """Move the cache's length to ``length``; the buffers stay where they are (no copies)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(length)  # in place: a compiled step keeps its address
+        self.length = length
+        self._place(self.capacity, length)
+
+    def _place(self, rows: int, length: int | None) -> None:
+        """Tell every layer the rows the next pass reads and the length it starts from (``RowsLayer``)."""
+        for layer in self.cache.layers:
+            layer.rows, layer.length = rows, length
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens (roll back the rest)."""
+        if length < self.length:
+            self._set_length(length)
+            del self.ids[length:]
+        self.check()
+
+    def sync(self, seq: list[int]) -> list[int]:
+        """Roll back to the longest common prefix with ``seq``; return the ids still to feed."""
+        self.truncate(common_prefix_len(self.ids, seq))
+        return seq[len(self.ids) :]
+
+    @torch.inference_mode()
+    def load(self, segments: Segments, ids: list[int]) -> None:
+        """Hold ``ids``, whose keys and values per layer are ``segments`` ([1, H, len(ids), D] each).
+
+        The segments are copied into the preallocated buffers (a prefix-cache restore): the state
+        owns its memory, so the segments may be freed or reused afterwards.
+        """
+        n = len(ids)
+        self._fits(n, 0)
+        layers = self.cache.layers
+        assert len(segments) == len(layers), f"{len(segments)=} {len(layers)=}"
+        for layer, (k, v) in zip(layers, segments, strict=True):
+            assert k.shape[2] == v.shape[2] == n, f"segment of {k.shape[2]} rows for {n} ids"
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            layer.keys[:, :, :n].copy_(k)
+            layer.values[:, :, :n].copy_(v)
+        self._set_length(n)
+        self.ids = list(ids)
+        self.check()
+
+    def _fits(self, n: int, start: int) -> None:
+        if start + n > self.capacity:
+            raise CapacityError(
+                f"{n} tokens after {start} exceed the static KV cache's capacity of {self.capacity}; "
+                "build the StaticState with a larger capacity"
+            )
+
+    @torch.inference_mode()
+    def forward(self, new_ids: list[int], keep: int, hidden: bool = False):
+        """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
+
+        With ``hidden``, return (logits, the final norm's output for ``new_ids`` [len(new_ids), H]).
+        A compiled state runs feeds of up to ``width`` tokens without ``hidden`` through the compiled
+        pass (padded to ``width``; the padded rows are rolled back).
+        """
+        assert new_ids, "forward needs at least one new token"
+        n, start = len(new_ids), self.length
+        # near the capacity, a feed that fits only unpadded runs eager
+        fixed = self.compiled and n <= self.width and not hidden and start + self.width <= self.capacity
+        fed = new_ids + new_ids[-1:] * (self.width - n) if fixed else new_ids  # any id pads: none is read
+        self._fits(len(fed), start)
+        device = self.model.device
+        x = ids_on(device, fed)
+        positions = torch.arange(start, start + len(fed), device=device)[None]  # [1, len(fed)]
+        if fixed:
+            self._place(self.capacity, None)
+        else:
+            self._place(start + n, start)
+        try:
+            if fixed:
+                logits, captured = self._compiled_pass(x, positions, n), None
+            else:
+                logits, captured = self._eager(x, positions, keep, hidden)
+        except BaseException:
+            self.reset()  # a failed pass may have updated some layers only: start clean
+            raise
+        if len(fed) > n:
+            self._set_length(start + n)  # the padded rows: rolled back like a rejected draft
+        else:
+            self.length = start + n  # each layer's cumulative_length advanced on the device already
+        self._place(self.capacity, self.length)
+        self.ids.extend(new_ids)
+        self.check()
+        if captured is not None:
+            return logits[-keep:], captured[-1][0, -n:]
+        return logits[-keep:]
+
+    def _eager(self, x: torch.Tensor, positions: torch.Tensor, keep: int, hidden: bool):
+        with ExitStack() as stack:
+            stack.enter_context(few_rows_pass(x.shape[1]))
+            captured = stack.enter_context(final_hidden(self.model)) if hidden else None
+            out = self.model(
+                input_ids=x, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=keep
+            )
+        return out.logits[0], captured
+
+    def _compiled_pass(self, x: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``width``-token forward, compiled on first use for these fixed shapes; logits [n, V]."""
+        if self._step is None:
+            self._step = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
+        out = self._step(input_ids=x, position_ids=positions, cache=self.cache, use_cache=True)
+        # the real rows, copied: a CUDA graph's outputs are overwritten by its next replay
+        return out.logits[0, :n].clone()
+
+    def reset(self) -> None:
+        """Hold nothing; the buffers (and a compiled step's graph over them) are kept for reuse."""
+        self._set_length(0)
+        self.ids = []
