@@ -140,20 +140,11 @@ class Plan:
     @classmethod
     def make(cls, device: torch.device, quick: bool, budget_s: float) -> Plan:
         if quick:
-            return cls(
-                device,
-                True,
-                budget_s,
-                dict(TINY_TARGET, num_hidden_layers=1),
-                TINY_TARGET,
-                TINY_DRAFT,
-                12,
-                16,
-                48,
-                3,
-                4,
-            )
-        return cls(device, False, budget_s, IDENTITY_TARGET, QWEN_7B, QWEN_05B, 32, 96, 512, 10, 4)
+            return cls(device, True, budget_s, identity=dict(TINY_TARGET, num_hidden_layers=1),
+                       target=TINY_TARGET, draft=TINY_DRAFT, new_tokens=12, e2e_tokens=16,
+                       prompt_tokens=48, repeats=3, k=4)  # fmt: skip
+        return cls(device, False, budget_s, identity=IDENTITY_TARGET, target=QWEN_7B, draft=QWEN_05B,
+                   new_tokens=32, e2e_tokens=96, prompt_tokens=512, repeats=10, k=4)  # fmt: skip
 
     @property
     def speed_dtype(self) -> torch.dtype:
@@ -182,6 +173,8 @@ class Report:
             return
         t0 = time.perf_counter()
         print(f"gpu_check: {name} ...", flush=True)
+        self.data["phases"][name] = {"status": "running", "error": None, "seconds": None}  # if cut here
+        self.write()
         try:
             record = {"status": "ok", "error": None, **fn()}
         except Exception as exc:  # a failed phase is reported; the next ones still run
@@ -220,6 +213,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+        env["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32  # float32 identity assumes False
     return env
 
 
@@ -331,14 +325,16 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def identity_pairs(plan: Plan):
-    """(dtype, pair) for float32 and bfloat16: the same weights, the draft a noisy copy."""
+    """(dtype, pair) for float32 then bfloat16, the same weights (the draft a noisy copy); the
+    float32 pair stays alive while the bfloat16 one runs (its target gives the margins)."""
     width = plan.draft["vocab_size"]
     tok = word_tokenizer(width)
     base = random_model(plan.identity, torch.float32, plan.device, seed=0, width=width, logit_std=8.0)
     draft = noisy_copy(base, width, noise=0.1, seed=1)
+    assert draft.config.vocab_size == width, f"{draft.config.vocab_size=} {width=}"
     yield torch.float32, agentspec.load_pair(base, draft, tokenizer=tok)
     low = [copy.deepcopy(m).to(torch.bfloat16) for m in (base, draft)]
-    yield torch.bfloat16, agentspec.load_pair(low[0], low[1], tokenizer=tok), base
+    yield torch.bfloat16, agentspec.load_pair(low[0], low[1], tokenizer=tok)
 
 
 def identity_calls(pair, plan: Plan) -> list[tuple[list[int], list[int]]]:
@@ -351,6 +347,8 @@ def identity_calls(pair, plan: Plan) -> list[tuple[list[int], list[int]]]:
 
 
 def identity_row(pair, calls, name: str, cached: bool, n: int, reference_model) -> dict[str, Any]:
+    """One drafter's calls against ``generate()``'s; each divergence with ``reference_model``'s
+    (the float32 target's) logit margin at that position."""
     cache = PrefixCache(1 << 30) if cached else False
     row: dict[str, Any] = {"identical": True, "divergences": [], "drafted": 0, "accepted": 0, "restored": 0}
     for ids, ref in calls:
@@ -362,7 +360,7 @@ def identity_row(pair, calls, name: str, cached: bool, n: int, reference_model) 
         if i is not None:
             row["identical"] = False
             d = {"position": i, "prompt_tokens": len(ids)}
-            if reference_model is not None and i < len(ref):  # bfloat16: how near a tie it was
+            if i < len(ref):  # how near a tie it was, in float32
                 d["float32_margin"] = logit_margin(reference_model, ids + ref[:i])
             row["divergences"].append(d)
     return row
@@ -370,9 +368,10 @@ def identity_row(pair, calls, name: str, cached: bool, n: int, reference_model) 
 
 def phase_identity(plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for dtype, pair, *f32 in identity_pairs(plan):
+    reference_model = None
+    for dtype, pair in identity_pairs(plan):
+        reference_model = reference_model or pair.target  # the float32 one, first
         calls = identity_calls(pair, plan)
-        reference_model = f32[0] if f32 else None
         rows = {}
         for name in DRAFTERS:
             for cached in (False, True):
@@ -428,8 +427,10 @@ class Speed:
         if self._pair is None:
             p = self.plan
             width = p.draft["vocab_size"]
-            target = random_model(p.target, p.speed_dtype, p.device, seed=10, width=width)
-            draft = random_model(p.draft, p.speed_dtype, p.device, seed=11, width=width)
+            # sharpened heads: no near-ties, so bfloat16 verify passes give generate()'s tokens and
+            # the replay drafter's reference stays the output
+            target = random_model(p.target, p.speed_dtype, p.device, seed=10, width=width, logit_std=8.0)
+            draft = random_model(p.draft, p.speed_dtype, p.device, seed=11, width=width, logit_std=8.0)
             self._pair = agentspec.load_pair(target, draft, tokenizer=word_tokenizer(width))
             gen = torch.Generator().manual_seed(12)
             self.ids = torch.randint(2, width, (p.prompt_tokens,), generator=gen).tolist()
