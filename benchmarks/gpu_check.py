@@ -242,17 +242,12 @@ def random_model(
     """A Qwen2 of ``config`` with random weights, built on ``device``. LM-head rows at and past
     ``width`` (the padding rows a real model never emits) and EOS's are zeroed; ``logit_std``
     scales the head so logits have about that spread (a clear argmax at every position)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     cfg = Qwen2Config(**config, eos_token_id=EOS, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen2ForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(default)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     model.generation_config.pad_token_id = EOS
     with torch.no_grad():
         head = model.lm_head.weight
