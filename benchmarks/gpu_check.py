@@ -37,6 +37,7 @@ import copy
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -200,10 +201,22 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, torch.device) else v for k, v in vars(plan).items()}
 
 
+def git_commit() -> str | None:
+    """The checkout's commit (None where the copy carries no git metadata)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
     env = {
+        "git_commit": git_commit(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -669,7 +682,7 @@ def compiled_step_ms(model, prefix: list[int], new: list[int], k: int, repeats: 
 
     cache = StaticCache(config=model.config, max_cache_len=len(prefix) + max(VERIFY_SIZES))
     x = torch.tensor([new[:k]], device=model.device)
-    step = torch.compile(model.forward, mode="reduce-overhead")
+    step = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)  # one graph per part
     with torch.inference_mode():
         model(
             input_ids=torch.tensor([prefix], device=model.device),
