@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup vllm demo test test-all lint bench wheels
+.PHONY: setup vllm demo test test-all lint bench wheels gpu-wheels
 
 setup:
 	bash scripts/setup.sh
@@ -36,3 +36,8 @@ bench: setup
 # both distributions (agentspec-decode, langchain-agentspec) built as wheels and imported in a clean venv
 wheels:
 	bash scripts/check_wheels.sh
+
+# the wheels a bare GPU machine lacks for benchmarks/gpu_check.py, into the git-ignored .whl/ (needs PyPI;
+# docs/benchmarks.md, "GPU check", has the command to run there)
+gpu-wheels:
+	bash scripts/prepare_gpu.sh

@@ -108,6 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out=Path(args.out),
         llama_cpp=args.llama_cpp,
         device=args.device,
+        static_compiled=args.static_compiled,
     )
     result = run(settings)
     print(Path(settings.out).with_suffix(".md").read_text())
@@ -232,6 +233,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--repeats", type=int, help="decodes per prompt and system (default 1)")
     b.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (needs llama-cpp-python)")
     b.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
+    b.add_argument(
+        "--static-compiled",
+        action=argparse.BooleanOptionalAction,
+        help="the row of generate() with a static cache and a compiled step (default: on CUDA only; "
+        "compiling takes minutes on a small CPU)",
+    )
     b.set_defaults(func=cmd_bench)
 
 

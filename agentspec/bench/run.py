@@ -1,8 +1,9 @@
 """``agentspec bench``: every system on the same work, in one process, interleaved.
 
 1. Single calls on chat prompts and agent turns (``workloads.PROMPTS``): transformers ``generate``,
-   assisted generation with the pair's draft, prompt lookup, and agentspec with each drafter; each
-   row's tokens are compared with ``generate``'s.
+   the same with a static cache and a compiled step (on CUDA by default, elsewhere where asked:
+   compiling takes minutes on a small CPU), assisted generation with the pair's draft, prompt
+   lookup, and agentspec with each drafter; each row's tokens are compared with ``generate``'s.
 2. llama.cpp on the embedded GGUF file, when asked for and installed (reported apart).
 3. The roofline: read bandwidth, bytes per step, step times and the verify-cost curve.
 
@@ -42,6 +43,8 @@ class Settings:
     out: Path = Path("benchmarks/results/bench")
     llama_cpp: bool = False
     device: str | None = None
+    # the "transformers static compiled" row (systems.StaticCompiled); None: on where the pair is on CUDA
+    static_compiled: bool | None = None
 
     def resolved(self) -> Settings:
         quick = self.mode == "quick"
@@ -52,6 +55,7 @@ class Settings:
             Path(self.out),
             self.llama_cpp,
             self.device,
+            self.static_compiled,
         )
 
 
@@ -105,9 +109,15 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def cache_len(pair, prompts, settings: Settings) -> int:
+    """The most tokens one single call holds: the longest prompt and its reply."""
+    return max(len(prompt_ids(pair.tokenizer, m)) for _, _, m in prompts) + settings.max_new_tokens
+
+
 def single_calls(pair, prompts, names: list[str], settings: Settings, bar) -> list[dict[str, Any]]:
     rows = []
-    drafters: dict[tuple[str, int], Any] = {}  # (system, repeat) -> its drafter, kept across prompts
+    states: dict[tuple[str, int], Any] = {}  # (system, repeat) -> its own_state, kept across prompts
+    size = cache_len(pair, prompts, settings)
     for i, (name, kind, messages) in enumerate(prompts):
         ids = prompt_ids(pair.tokenizer, messages)
         runs: dict[str, list[systems.Call]] = {s: [] for s in names}
@@ -115,9 +125,9 @@ def single_calls(pair, prompts, names: list[str], settings: Settings, bar) -> li
             s0 = (i + r) % len(names)
             for s in names[s0:] + names[:s0]:  # rotated: no system always runs first
                 # a repeat drafts from a memory of its own too: it never sees its earlier reply
-                if (s, r) not in drafters:
-                    drafters[s, r] = systems.own_drafter(pair, s) if s.startswith("agentspec") else None
-                runs[s].append(systems.run_single(pair, s, ids, settings.max_new_tokens, drafters[s, r]))
+                if (s, r) not in states:
+                    states[s, r] = systems.own_state(pair, s, size)
+                runs[s].append(systems.run_single(pair, s, ids, settings.max_new_tokens, states[s, r]))
                 bar.update(1)
         ref = runs["transformers generate"][0].tokens
         row = {"name": name, "kind": kind, "prompt_tokens": len(ids), "output_tokens": len(ref), "runs": {}}
@@ -180,14 +190,13 @@ def default_gguf() -> Path:
     return path
 
 
-def warm_up(pair, names: list[str]) -> None:
-    """Every code path of the named systems once (allocator, kernels, lazy imports), untimed, each
+def warm_up(pair, names: list[str], size: int | None = None) -> None:
+    """Every code path of the named systems once (allocator, kernels, lazy imports, the static
+    row's compiled step for caches of ``size`` tokens: needed with that row), untimed, each
     agentspec system with a drafting memory of its own."""
     warm = prompt_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
     for s in names:
-        systems.run_single(
-            pair, s, warm, 4, systems.own_drafter(pair, s) if s.startswith("agentspec") else None
-        )
+        systems.run_single(pair, s, warm, 4, systems.own_state(pair, s, size))
 
 
 def run(settings: Settings) -> dict[str, Any]:
@@ -196,9 +205,10 @@ def run(settings: Settings) -> dict[str, Any]:
     pair = agentspec.load_pair(device=settings.device)
     env = environment(pair)
     prompts = [p for p in workloads.PROMPTS if settings.mode == "full" or p[0] in workloads.QUICK_PROMPTS]
-    names = systems.single_call_systems(pair)
+    static = settings.static_compiled if settings.static_compiled is not None else pair.device.type == "cuda"
+    names = systems.single_call_systems(pair, static_compiled=static)
     total = len(prompts) * len(names) * settings.repeats + 1
-    warm_up(pair, names)
+    warm_up(pair, names, cache_len(pair, prompts, settings))
     with tqdm(total=total, desc="agentspec bench", unit="run") as bar:
         bar.set_postfix_str("single calls")
         single_rows = single_calls(pair, prompts, names, settings, bar)

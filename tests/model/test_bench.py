@@ -10,7 +10,9 @@ import sys
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-from agentspec.bench import report, roofline, workloads
+import agentspec
+from agentspec.bench import report, roofline, systems, workloads
+from agentspec.bench.conversation import prompt_ids
 from agentspec.bench.run import Settings, run
 from langchain_agentspec import bench as loop_bench
 
@@ -22,6 +24,55 @@ def smol_tokenizer():
     from agentspec.models import ensure_default_model
 
     return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+def tiny_qwen2(tokenizer, vocab_size: int, seed: int):
+    """A random 2-layer Qwen2 of the embedded tokenizer, its LM head sharpened (clear argmaxes)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+@pytest.fixture(scope="module")
+def padded_pair(smol_tokenizer):
+    """One tokenizer, logits of two widths: the target's embeddings padded 64 rows past the draft's
+    (as Qwen2.5-7B's 152,064 against 0.5B's 151,936)."""
+    width = len(smol_tokenizer)
+    target, draft = tiny_qwen2(smol_tokenizer, width + 64, 0), tiny_qwen2(smol_tokenizer, width, 1)
+    return agentspec.load_pair(target, draft, tokenizer=smol_tokenizer)
+
+
+def test_assisted_generation_runs_for_logits_of_different_widths(padded_pair):
+    assert systems.different_widths(padded_pair)
+    names = systems.single_call_systems(padded_pair)
+    assert "transformers assisted" in names and systems.STATIC_COMPILED not in names
+    ids = prompt_ids(padded_pair.tokenizer, [{"role": "user", "content": "What is the weather in Paris?"}])
+    plain = systems.run_single(padded_pair, "transformers generate", ids, 12)
+    assisted = systems.run_single(padded_pair, "transformers assisted", ids, 12)
+    assert len(plain.tokens) == 12 and assisted.tokens == plain.tokens, f"{assisted.tokens=} {plain.tokens=}"
+
+
+@pytest.mark.slow
+def test_the_static_compiled_row_gives_generates_tokens(padded_pair):
+    """Compiles the tiny target's one-token step (about 20 s on 2 cores), then two prompts of
+    different lengths through the one graph."""
+    names = systems.single_call_systems(padded_pair, static_compiled=True)
+    assert names[1] == systems.STATIC_COMPILED
+    state = systems.own_state(padded_pair, systems.STATIC_COMPILED, cache_len=96)
+    for text in ("Hi", "What is the weather in Paris, and in Rome?"):
+        ids = prompt_ids(padded_pair.tokenizer, [{"role": "user", "content": text}])
+        plain = systems.run_single(padded_pair, "transformers generate", ids, 10)
+        static = systems.run_single(padded_pair, systems.STATIC_COMPILED, ids, 10, state)
+        assert static.tokens == plain.tokens, f"{static.tokens=} {plain.tokens=}"
 
 
 def test_acceptance_by_position():

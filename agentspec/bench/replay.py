@@ -1,0 +1,99 @@
+"""A drafter of known acceptance, for measuring the loop's speed apart from how good a draft is.
+
+``ReplayDrafter`` proposes the reference tokens (a plain greedy run's) with each position
+corrupted, independently with probability ``1 - acceptance`` (seeded), so every system measured
+with it sees the same acceptance whatever its weights are. It pays what a model drafter pays on
+the device: one forward of a real draft model per draft token, its KV cache kept in step with the
+verified sequence. It reads none of those logits back and sends its ids from pinned memory
+without blocking (on CUDA), so it costs no host sync: the cost of a draft kept on the device.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import DynamicCache
+
+from agentspec.config import GenerationConfig
+from agentspec.drafters.base import Draft, Drafter
+from agentspec.kv import common_prefix_len
+
+
+def corrupted_positions(n: int, acceptance: float, seed: int) -> list[bool]:
+    """For positions 0..n-1: True where the draft proposes a wrong token (probability 1 - acceptance)."""
+    rng = random.Random(seed)
+    return [rng.random() >= acceptance for _ in range(n)]
+
+
+def expected_tokens_per_pass(acceptance: float, k: int) -> float:
+    """E(a, k) = (1 - a^(k+1)) / (1 - a): tokens one verify pass adds (the bonus token included)
+    when each of k draft tokens is accepted independently with probability a, up to the first miss."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+class ReplayDrafter(Drafter):
+    """Proposes ``reference[len(seq):]`` (``reference``: prompt ids then the greedy output), each
+    position wrong where ``corrupted_positions`` says; ``draft_model`` runs one step per token."""
+
+    name = "replay"
+
+    def __init__(self, draft_model, reference: list[int], acceptance: float, seed: int, k: int, width: int):
+        self.model = draft_model
+        self.cache = DynamicCache(config=draft_model.config)
+        self.ids: list[int] = []  # the ids whose keys and values ``cache`` holds
+        self.reference = reference
+        self.acceptance = acceptance
+        self.wrong = corrupted_positions(len(reference), acceptance, seed)
+        self.draft_cap = k
+        self.width = width  # the draft's vocabulary: a wrong token is another id below it
+
+    def _step(self, ids: list[int]) -> None:
+        """One draft forward over ``ids`` after the cached ones (its logits are not read)."""
+        x = torch.tensor([ids], dtype=torch.long)
+        if self.model.device.type == "cuda":  # pinned memory: a copy that does not wait for the queue
+            x = x.pin_memory().to(self.model.device, non_blocking=True)
+        with torch.inference_mode():
+            self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.ids += ids
+
+    def _sync(self, seq: list[int]) -> list[int]:
+        """Roll the cache back to its longest common prefix with ``seq``; return the ids to feed."""
+        keep = common_prefix_len(self.ids, seq)
+        if len(self.ids) > keep:
+            self.cache.crop(keep - len(self.ids))  # transformers 5.x: a negative count removes that many
+            del self.ids[keep:]
+        return seq[keep:]
+
+    def _token(self, position: int) -> int | None:
+        if position >= len(self.reference):
+            return None
+        token = self.reference[position]
+        return (token + 1) % self.width if self.wrong[position] else token
+
+    def propose(
+        self,
+        seq: list[int],
+        k: int,
+        config: GenerationConfig,
+        generator: torch.Generator | None,
+        constraint=None,
+    ) -> Draft:
+        pending = self._sync(seq)
+        if not pending:  # the cache holds all of seq: step again from its last token
+            pending = self._sync(seq[:-1]) + seq[-1:]
+        tokens: list[int] = []
+        for j in range(k):
+            token = self._token(len(seq) + j)
+            if token is None:
+                break
+            self._step(pending)  # the step whose logits would give this token
+            tokens.append(token)
+            pending = [token]
+        return Draft(tokens)
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.ids = []

@@ -1,0 +1,51 @@
+"""``benchmarks/gpu_check.py --device cpu --quick``: the device check's CPU mode, run as the GPU
+machine runs it (a file, a fresh process), and its JSON read back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PHASES = ["identity", "syncs", "verify_cost", "end_to_end", "prefix_cache", "compiled"]
+
+
+@pytest.mark.slow
+def test_the_quick_cpu_run_reports_every_phase(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gpu_check.py"),
+        "--device",
+        "cpu",
+        "--quick",
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    phases = data["phases"]
+    assert list(phases) == PHASES
+    for name, record in phases.items():
+        assert record["status"] == "ok" and record["error"] is None, f"{name}: {record}"
+        assert record["seconds"] > 0
+    identity = phases["identity"]
+    assert identity["identical_float32"], identity["float32"]["rows"]
+    rows = identity["float32"]["rows"]
+    assert len(rows) == 12  # six drafters, with and without the prefix cache
+    assert all(r["restored"] > 0 for key, r in rows.items() if key.endswith(" cached"))
+    assert sum(r["accepted"] for r in rows.values()) > 0
+    syncs = phases["syncs"]["rows"]
+    assert syncs["none"]["per_pass"] > 0 and syncs["model"]["passes"] > 0
+    assert set(phases["verify_cost"]["target_ms"]) == {"1", "2", "3", "4", "5", "8", "16"}
+    e2e = phases["end_to_end"]["rows"]
+    assert all(e2e[f"agentspec replay {a}"]["identical"] for a in (0.6, 0.8, 0.95))
+    assert e2e["transformers assisted"]["passes"] > 0
+    assert phases["prefix_cache"]["restored_tokens"] == phases["prefix_cache"]["prompt_tokens"] - 1
+    compiled = phases["compiled"]
+    assert compiled["parts_skipped"] == [] and compiled["static_generate"]["identical"]
