@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import agentspec
-from agentspec.cache import PrefixCache, RadixCache, Tier
+import agentspec.cache
+from agentspec.cache import PrefixCache, RadixCache, Tier, default_budget, default_host_budget
 from agentspec.models import ModelPair
 
 BYTES_PER_TOKEN = 16  # fake_kv: 2 layers x (K, V) x one float32 per position
@@ -99,6 +100,25 @@ def test_evict_all_empties_both_tiers():
     assert tree.device.bytes_used == tree.host.bytes_used == 0 and len(tree) == 0
     assert tree.device.budget == 320 and tree.host.budget == 640
     tree.check()
+
+
+def test_default_budgets_are_capped_on_every_device(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert 0 < default_budget(cpu) <= agentspec.cache.DEVICE_CAP
+    assert default_host_budget(cpu) == 0  # a CPU's device tier is host memory already
+    # an H200's free memory: 20% of it is far over the cap
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (130 << 30, 141 << 30))
+    assert default_budget(cuda) == agentspec.cache.DEVICE_CAP
+    assert 0 < default_host_budget(cuda) <= agentspec.cache.HOST_CAP
+
+
+def test_prefix_cache_budgets_and_overrides():
+    cache = PrefixCache(1000, host_bytes=500)
+    assert (cache.budget_bytes, cache.tree.host.budget, cache.tree.host.pinned) == (1000, 500, False)
+    assert PrefixCache(device="cpu").tree.host.budget == 0
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pinned memory needs CUDA"):
+            Tier("host", 1, pinned=True)
 
 
 seqs = st.lists(st.integers(0, 4), min_size=1, max_size=12)
