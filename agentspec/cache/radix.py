@@ -69,8 +69,13 @@ class Tier:
         """``seg`` on this tier: the same tensors when they are on its device already (no copy)."""
         return [(self._take(k), self._take(v)) for k, v in seg]
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies on this tier's device ("cuda" holds a tensor on "cuda:0")."""
+        a, b = t.device, self.device
+        return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
     def _take(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device == self.device:
+        if self.holds(t):
             return t
         if self.pinned:  # device -> pinned host: blocking, so host-side slicing reads finished data
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
@@ -386,7 +391,7 @@ class RadixCache:
                     for k, v in seg:
                         assert k.shape[2] == v.shape[2] == len(nd.key), f"{k.shape=} {len(nd.key)=}"
                         if nd.tier is self.host:  # the device tier keeps the models' own device
-                            assert k.device == v.device == self.host.device, f"{k.device=}"
+                            assert self.host.holds(k) and self.host.holds(v), f"{k.device=}"
                             assert k.is_pinned() == v.is_pinned() == self.host.pinned, f"{k.is_pinned()=}"
                     if nd.parent.parent is not None:  # parent is not a root
                         assert m in nd.parent.kv, f"model {m!r} KV starts below the root"

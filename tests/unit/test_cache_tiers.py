@@ -112,6 +112,14 @@ def test_default_budgets_are_capped_on_every_device(monkeypatch):
     assert 0 < default_host_budget(cuda) <= agentspec.cache.HOST_CAP
 
 
+def test_a_tier_takes_tensors_on_its_device_as_they_are():
+    x = torch.zeros(1, 1, 3, 1)
+    assert Tier("host", 1).take([(x, x)])[0][0] is x  # no copy within one device
+    meta = Tier("device", 1, device=torch.device("meta"))
+    assert meta.holds(torch.empty(1, device="meta")) and not meta.holds(x)
+    assert meta.take([(x, x)])[0][0].device.type == "meta"
+
+
 def test_prefix_cache_budgets_and_overrides():
     cache = PrefixCache(1000, host_bytes=500)
     assert (cache.budget_bytes, cache.tree.host.budget, cache.tree.host.pinned) == (1000, 500, False)
