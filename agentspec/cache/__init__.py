@@ -25,7 +25,9 @@ from agentspec.kv import ModelState, common_prefix_len
 __all__ = ["PrefixCache", "RadixCache", "Tier", "default_budget", "default_host_budget"]
 
 
-DEVICE_CAP = 8 << 30  # the device tier's default budget at most: room for the working set, not all memory
+# the device tier's default budget at most: memory past it is the models' and the calls', and what
+# it evicts waits in the host tier
+DEVICE_CAP = 8 << 30
 HOST_CAP = 16 << 30  # the host tier's default budget at most (page-locked memory is the OS's to lend)
 
 
@@ -96,7 +98,7 @@ class PrefixCache:
         dev = torch.device("cpu") if device is None else torch.device(device)
         budget = default_budget(dev) if budget_bytes is None else budget_bytes
         host_budget = default_host_budget(dev) if host_bytes is None else host_bytes
-        host = Tier("host", host_budget, pinned=dev.type == "cuda")
+        host = Tier("host", host_budget, pinned=dev.type == "cuda" and host_budget > 0)
         self.tree = RadixCache(budget, host, device=dev)
         self.extra_key = extra_key
 
