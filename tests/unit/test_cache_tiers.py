@@ -4,6 +4,7 @@ segments live, bytes per tier, LRU order, the invariants, and restores after a d
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -150,6 +151,35 @@ def test_two_tiers_keep_their_budgets_and_invariants(ops, device_tokens, host_to
         assert tree.device.bytes_used <= tree.device.budget, f"{tree.device.bytes_used=}"
         assert tree.host.bytes_used <= tree.host.budget, f"{tree.host.bytes_used=}"
         tree.check()
+
+
+def test_threads_moving_nodes_between_tiers_keep_the_tree_whole():
+    tree = two_tiers(device_tokens=30, host_tokens=60)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(200):
+                ids = [rng.randrange(0, 3) for _ in range(rng.randrange(1, 12))]
+                if rng.random() < 0.5:
+                    tree.insert("ns", ids, "target", fake_kv(ids))
+                else:
+                    n, segs = tree.lookup("ns", ids, ["target"])
+                    if n:  # a concurrent demotion never hands out another prefix's values
+                        assert segs["target"][0][0].flatten().tolist() == ids[:n]
+        except BaseException as exc:  # re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert tree.demotions > 0 and tree.load_backs > 0 and tree.evictions > 0
+    assert tree.device.bytes_used <= tree.device.budget and tree.host.bytes_used <= tree.host.budget
+    tree.check()
 
 
 # --- restores after a demotion, on a real (tiny) model -------------------------------------------
