@@ -325,6 +325,7 @@ def load_pair(
     device: str | torch.device | None = None,
     dtype: Any = None,
     prefix_cache_bytes: int | None = None,
+    prefix_cache_host_bytes: int | None = None,
 ) -> ModelPair:
     """Load a target model and an optional draft model that shares its tokenizer.
 
@@ -335,8 +336,9 @@ def load_pair(
     its distilled default draft (``default_draft_folder()``); ``draft_model=False`` loads no draft
     model (with another target, None also means none). ``device`` defaults to CUDA
     when available, else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU.
-    ``prefix_cache_bytes`` is the byte budget of the pair's cross-call prefix cache (default:
-    ``agentspec.cache.default_budget``).
+    ``prefix_cache_bytes`` is the device byte budget of the pair's cross-call prefix cache (default:
+    ``agentspec.cache.default_budget``), ``prefix_cache_host_bytes`` that of its host tier (default:
+    ``agentspec.cache.default_host_budget``: none on a CPU).
     """
     dev = torch.device(device) if device is not None else default_device()
     dt = _resolve_dtype(dtype, dev)
@@ -357,10 +359,10 @@ def load_pair(
     if draft_model is not None:
         draft = _load_draft(draft_model, target, tok, dev, dt)
         draft_name = str(getattr(draft_model, "name_or_path", draft_model))
-    from agentspec.cache import PrefixCache, default_budget
+    from agentspec.cache import PrefixCache
 
     key = (name, draft_name, str(dt), str(dev))
-    cache = PrefixCache(default_budget(dev) if prefix_cache_bytes is None else prefix_cache_bytes)
+    cache = PrefixCache(prefix_cache_bytes, device=dev, host_bytes=prefix_cache_host_bytes)
     return ModelPair(
         target=target,
         tokenizer=tok,

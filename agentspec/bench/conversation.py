@@ -81,17 +81,16 @@ Rules you always follow:
    two working days and must be requested from the logistics team, not through the tools.
 9. Prices are in euros and include VAT. Discounts are never granted by the assistant.
 10. Customer data is confidential: never show a customer's address to another customer.
+"""
 
+TOOLS_IN_TEXT = """
 Tool call format: answer with <tool_call>{"name": ..., "arguments": {...}}</tool_call> when you
 need a tool, then wait for the result, which arrives as a message with the role "tool".
 
 Available tools (JSON schema):
 """
 
-SYSTEM_PROMPT = (
-    POLICIES
-    + "\n".join(json.dumps(t, indent=1) for t in TOOLS)
-    + """
+EXAMPLES = """
 
 Examples of good answers:
 - "KB-87 (mechanical keyboard): 42 in north, 3 in south. Reserved 2 for order A-10293."
@@ -101,7 +100,12 @@ Glossary: SKU = stock keeping unit; ETA = estimated time of arrival; RMA = retur
 back-order = an order line waiting for stock; pick list = the list a warehouse uses to collect
 items; cut-off = the latest time for same-day dispatch (16:00 in every warehouse).
 """
-)
+
+# the tools written into the system prompt, as an agent without tool binding sends them
+SYSTEM_PROMPT = POLICIES + TOOLS_IN_TEXT + "\n".join(json.dumps(t, indent=1) for t in TOOLS) + EXAMPLES
+# the system prompt of a request that binds the tools (``OPENAI_TOOLS``): the chat layer renders them
+BOUND_SYSTEM_PROMPT = POLICIES + EXAMPLES
+OPENAI_TOOLS = [{"type": "function", "function": t} for t in TOOLS]
 
 TURNS = [
     ("user", "How many KB-87 keyboards do we have, and where?"),
@@ -174,3 +178,25 @@ def messages_for_call(n: int, answers: list[str]) -> list[dict]:
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
     return list(out["input_ids"])
+
+
+def tool_choice_for_call(n: int) -> str:
+    """What call n's request asks of the reply: a tool call when a tool result follows it in TURNS."""
+    return "required" if n + 1 < len(TURNS) and TURNS[n + 1][0] == "tool" else "auto"
+
+
+def bound_messages_for_call(n: int, replies: list[dict]) -> list[dict]:
+    """The OpenAI-format messages of call n in a conversation that binds ``OPENAI_TOOLS``, given the
+    assistant messages the model's earlier replies became (each tool result answers the call in the
+    reply before it, which ``tool_choice_for_call`` made a tool call)."""
+    msgs = [{"role": "system", "content": BOUND_SYSTEM_PROMPT}]
+    for i in range(n + 1):
+        role, content = TURNS[i]
+        msg = {"role": role, "content": content}
+        if role == "tool":
+            reply = replies[i - 1]  # a call cut short by the token limit is an invalid one
+            msg["tool_call_id"] = [*reply["tool_calls"], *reply.get("invalid_tool_calls", ())][0]["id"]
+        msgs.append(msg)
+        if i < n:
+            msgs.append(replies[i])
+    return msgs

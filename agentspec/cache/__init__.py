@@ -19,22 +19,41 @@ from collections.abc import Hashable, Mapping
 import torch
 from transformers import DynamicCache
 
-from agentspec.cache.radix import RadixCache, Segments
+from agentspec.cache.radix import RadixCache, Segments, Tier
 from agentspec.kv import ModelState, common_prefix_len
 
-__all__ = ["PrefixCache", "RadixCache", "default_budget"]
+__all__ = ["PrefixCache", "RadixCache", "Tier", "default_budget", "default_host_budget"]
+
+
+# the device tier's default budget at most: memory past it is the models' and the calls', and what
+# it evicts waits in the host tier
+DEVICE_CAP = 8 << 30
+HOST_CAP = 16 << 30  # the host tier's default budget at most (page-locked memory is the OS's to lend)
 
 
 def default_budget(device: torch.device | None = None) -> int:
-    """20% of the memory free now on the device (GPU) or in RAM (CPU), at most 8 GiB."""
+    """The device tier's budget: 20% of the memory free now on the device (GPU) or in RAM (CPU),
+    at most DEVICE_CAP."""
     if device is not None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.2)
+    else:
+        free = _free_ram()
+    return min(int(free * 0.2), DEVICE_CAP)
+
+
+def default_host_budget(device: torch.device | None = None) -> int:
+    """The host tier's budget: for a CUDA device, 20% of the RAM free now, at most HOST_CAP; none
+    otherwise (the device tier is host memory already)."""
+    if device is None or device.type != "cuda":
+        return 0
+    return min(int(_free_ram() * 0.2), HOST_CAP)
+
+
+def _free_ram() -> int:
     try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not on every platform
-        free = 4 << 30
-    return min(int(free * 0.2), 8 << 30)
+        return 4 << 30
 
 
 def _supports_reuse(cache: DynamicCache) -> bool:
@@ -48,10 +67,10 @@ def _segments(state: ModelState, length: int) -> Segments:
 
 
 def _state(model, segments: Segments, ids: list[int]) -> ModelState:
-    """A ModelState that adopts the segments (fresh copies from the tree) as its cache tensors.
-
-    ``DynamicCache.update`` would concatenate them onto an empty tensor: a second full copy.
-    """
+    """A ModelState that adopts the segments (the tree's tensors or one copy of them, see
+    ``RadixCache._gather``) as its cache tensors: ``DynamicCache.update`` would concatenate them
+    onto an empty tensor, a second full copy. ``DynamicLayer`` never writes its tensors in place
+    (``update`` concatenates, ``crop`` slices), so the tree's own are safe in it."""
     cache = DynamicCache(config=model.config)
     for layer, (k, v) in zip(cache.layers, segments, strict=True):
         layer.lazy_initialization(k, v)
@@ -60,10 +79,27 @@ def _state(model, segments: Segments, ids: list[int]) -> ModelState:
 
 
 class PrefixCache:
-    """A byte-budgeted radix tree of KV states shared by all calls of one loaded pair."""
+    """A byte-budgeted radix tree of KV states shared by all calls of one loaded pair.
 
-    def __init__(self, budget_bytes: int | None = None, extra_key: Hashable = None):
-        self.tree = RadixCache(default_budget() if budget_bytes is None else budget_bytes)
+    ``budget_bytes``: the device tier's budget (default ``default_budget(device)``); ``host_bytes``:
+    the host tier's, where segments evicted from the device wait for a hit (default
+    ``default_host_budget(device)``: pinned memory for a CUDA device, none for a CPU); ``device``:
+    where the pair runs (default: the CPU).
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int | None = None,
+        extra_key: Hashable = None,
+        *,
+        device: torch.device | str | None = None,
+        host_bytes: int | None = None,
+    ):
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        budget = default_budget(dev) if budget_bytes is None else budget_bytes
+        host_budget = default_host_budget(dev) if host_bytes is None else host_bytes
+        host = Tier("host", host_budget, pinned=dev.type == "cuda" and host_budget > 0)
+        self.tree = RadixCache(budget, host, device=dev)
         self.extra_key = extra_key
 
     @property
@@ -72,7 +108,12 @@ class PrefixCache:
 
     @property
     def bytes_used(self) -> int:
+        """Bytes held in the device tier."""
         return self.tree.bytes_used
+
+    @property
+    def host_bytes_used(self) -> int:
+        return self.tree.host.bytes_used
 
     def namespace(self, pair, namespace: str | None = None) -> Hashable:
         """The tree's key for ``pair``'s entries saved under ``namespace`` (None: the shared one)."""

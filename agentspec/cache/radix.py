@@ -1,18 +1,27 @@
-"""A radix tree over token ids whose nodes hold KV segments, with a byte budget and LRU eviction.
+"""A radix tree over token ids whose nodes hold KV segments, in two tiers with byte budgets and LRU.
 
 After SGLang's RadixAttention (``mem_cache/radix_cache.py``): an edge is labelled by a run of token
 ids; the node below it holds, for each model ("target", "draft"), the keys and values of exactly
 those tokens, one (K, V) pair per layer, shaped [1, heads, len(edge), head_dim]. A path from the
 root spells a prefix, and its segments concatenated are the KV state of that prefix.
 
+Two tiers, after SGLang's HiCache (``hiradix_cache.py``): a node's segments live in the device tier
+(where the models run) or in the host tier (pinned CPU memory on CUDA), each with its own byte
+budget. Over the device budget, the least recently used nodes move to the host tier instead of
+being dropped; over the host budget, the least recently used host leaves are dropped. A lookup that
+reaches host nodes moves them back to the device (asynchronous copies from pinned memory on CUDA,
+ordered before the restore's first pass by the stream) before their segments are handed out.
+
 Invariants (checked by ``check``):
-- every node's segments span exactly ``len(node.key)`` positions;
+- every node's segments span exactly ``len(node.key)`` positions and lie on its tier's device;
 - a node holds a model's KV only if its parent does (the root holds nothing), so a path that has a
   model's KV has it from the first token on;
-- ``bytes_used`` is the sum of the segment bytes of all nodes and never exceeds ``budget`` after
-  an insert returns;
-- nodes with ``lock_ref > 0`` (being restored) are never evicted;
-- ``evictable`` holds exactly the nodes without children whose ``lock_ref`` is 0.
+- a node in the device tier has its parent there too (or is a root's child): a path is device
+  nodes, then host nodes;
+- each tier's ``bytes_used`` is the sum of the segment bytes of its nodes and never exceeds its
+  ``budget`` after an insert or lookup returns, except by nodes another lookup holds;
+- nodes with ``lock_ref > 0`` (being restored) are never moved or evicted;
+- a tier's ``evictable`` holds exactly its nodes with ``lock_ref`` 0 and no child in that tier.
 
 Thread-safe: one re-entrant lock guards the tree. Keys of different model pairs never mix: each
 namespace has its own root.
@@ -35,9 +44,53 @@ def segment_bytes(seg: Segments) -> int:
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in seg)
 
 
-def slice_segments(seg: Segments, start: int, end: int) -> Segments:
-    """Positions [start, end) of every layer, copied (a view would pin the whole parent storage)."""
-    return [(k[:, :, start:end].clone(), v[:, :, start:end].clone()) for k, v in seg]
+@dataclass(eq=False)
+class Tier:
+    """Where segments live (``device``), with its own byte budget and its eviction candidates.
+
+    ``pinned``: a host tier for a CUDA device keeps page-locked memory, so the copies back to the
+    device can run asynchronously.
+    """
+
+    name: str
+    budget: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    pinned: bool = False
+    bytes_used: int = 0
+    evictable: set[Node] = field(default_factory=set)  # lock_ref 0, no child in this tier
+
+    def __post_init__(self):
+        if self.budget < 0:
+            raise ValueError(f"{self.name} budget must be >= 0, got {self.budget}")
+        if self.pinned and not torch.cuda.is_available():
+            raise ValueError(f"{self.name}: pinned memory needs CUDA")
+
+    def take(self, seg: Segments) -> Segments:
+        """``seg`` on this tier: the same tensors when they are on its device already (no copy)."""
+        return [(self._take(k), self._take(v)) for k, v in seg]
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies on this tier's device ("cuda" holds a tensor on "cuda:0")."""
+        a, b = t.device, self.device
+        return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+    def _take(self, t: torch.Tensor) -> torch.Tensor:
+        if self.holds(t):
+            return t
+        if self.pinned:  # device -> pinned host: blocking, so host-side slicing reads finished data
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        # host -> device: from pinned memory this is asynchronous; the stream orders later reads
+        return t.to(self.device, non_blocking=True)
+
+    def slice(self, seg: Segments, start: int, end: int) -> Segments:
+        """Positions [start, end) of every layer, copied (a view would pin the whole parent storage)."""
+        return [(self._slice(k, start, end), self._slice(v, start, end)) for k, v in seg]
+
+    def _slice(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        part = t[:, :, start:end]
+        if self.pinned:
+            return torch.empty(part.shape, dtype=part.dtype, pin_memory=True).copy_(part)
+        return part.clone()
 
 
 @dataclass(eq=False)
@@ -46,6 +99,7 @@ class Node:
     parent: Node | None = None
     children: dict[int, Node] = field(default_factory=dict)
     kv: dict[str, Segments] = field(default_factory=dict)  # model name -> segments of `key`
+    tier: Tier | None = None  # where kv lives (None: a root, which holds nothing)
     lock_ref: int = 0
     last_access: int = 0  # the tree's clock at the last lookup or insert through this node
 
@@ -64,29 +118,42 @@ class Match:
 
 
 class RadixCache:
-    def __init__(self, budget_bytes: int):
-        if budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget = budget_bytes
-        self.bytes_used = 0
+    """The tree. ``budget_bytes``: the device tier's budget; ``host``: the host tier (None: none,
+    evicted segments are dropped); ``device``: where the models run, to which host segments return.
+    Segments inserted are kept on the device they come from."""
+
+    def __init__(self, budget_bytes: int, host: Tier | None = None, device: torch.device | None = None):
+        self.device = Tier("device", budget_bytes, torch.device("cpu") if device is None else device)
+        self.host = Tier("host", 0) if host is None else host
+        self.tiers = (self.device, self.host)
         self.roots: dict[Hashable, Node] = {}
         self.lock = threading.RLock()
-        self.evictions = 0
+        self.evictions = 0  # nodes dropped
+        self.demotions = 0  # nodes moved from the device tier to the host tier
+        self.load_backs = 0  # nodes moved from the host tier back to the device
         self.clock = itertools.count(1)  # LRU order: ticks of lookups and inserts
-        # nodes without children and not in use (lock_ref 0): the candidates for eviction
-        self.evictable: set[Node] = set()
+
+    @property
+    def budget(self) -> int:
+        return self.device.budget
+
+    @property
+    def bytes_used(self) -> int:
+        return self.device.bytes_used
 
     # --- lookup -------------------------------------------------------------------------------
     def lookup(
         self, namespace: Hashable, ids: Sequence[int], models: Sequence[str]
     ) -> tuple[int, dict[str, Segments]]:
-        """The longest prefix of ids held with KV for every model, and those KV segments (copies).
+        """The longest prefix of ids held with KV for every model, and those KV segments (see
+        ``_gather``: never to be written in place), on the device.
 
         Atomic: the path is locked while it is read, so no concurrent insert splits or evicts it.
         """
         with self.lock:
             match = self._match(namespace, ids, models)
             try:
+                self._load_back(match.nodes)
                 return match.length, {m: self._gather(match, m, match.length) for m in models}
             finally:
                 self._release(match)
@@ -103,6 +170,7 @@ class RadixCache:
         with self.lock:
             match = self._match(namespace, ids, models[:1])
             try:
+                self._load_back(match.nodes)
                 out = {}
                 for m in models:
                     n = 0
@@ -135,7 +203,7 @@ class RadixCache:
             for nd in path:
                 nd.lock_ref += 1
                 nd.last_access = tick
-                self.evictable.discard(nd)
+                self._update_evictable(nd)
             return Match(length, path, namespace)
 
     def _release(self, match: Match) -> None:
@@ -144,15 +212,41 @@ class RadixCache:
                 nd.lock_ref -= 1
                 assert nd.lock_ref >= 0, f"{nd.lock_ref=}"
                 self._update_evictable(nd)
+            self._evict()  # what a load-back pushed over the device budget (the path is newest)
+
+    def _load_back(self, path: list[Node]) -> None:
+        """Move the host nodes of ``path`` (its tail, by the invariant) back to the device tier."""
+        for nd in path:
+            if nd.tier is self.host:
+                self._move(nd, self.device)
+                self.load_backs += 1
+
+    def _move(self, node: Node, tier: Tier) -> None:
+        assert node.tier is not None and node.tier is not tier, f"{node.tier=} {tier=}"
+        nbytes = node.nbytes
+        node.kv = {m: tier.take(seg) for m, seg in node.kv.items()}
+        node.tier.bytes_used -= nbytes
+        tier.bytes_used += nbytes
+        node.tier = tier
+        self._update_evictable(node)
+        assert node.parent is not None
+        self._update_evictable(node.parent)
 
     def _update_evictable(self, node: Node) -> None:
-        if node.children or node.lock_ref or node.parent is None:
-            self.evictable.discard(node)
-        else:
-            self.evictable.add(node)
+        for tier in self.tiers:
+            tier.evictable.discard(node)
+        if node.tier is None or node.lock_ref or node.parent is None:
+            return
+        if not any(c.tier is node.tier for c in node.children.values()):
+            node.tier.evictable.add(node)
 
     def _gather(self, match: Match, model: str, length: int) -> Segments:
-        """The first ``length`` (<= match.length) positions of ``model``'s KV along the match."""
+        """The first ``length`` (<= match.length) positions of ``model``'s KV along the match.
+
+        Within one node, views of the tree's own tensors: the ``DynamicCache`` that adopts them
+        never writes in place (``update`` concatenates, ``crop`` slices), so a restore costs no
+        copy and the first pass's concatenation is the only one. Across nodes, one concatenation.
+        """
         assert length <= match.length, f"{length=} {match.length=}"
         parts: list[Segments] = []
         taken = 0
@@ -162,10 +256,8 @@ class RadixCache:
             n = min(len(nd.key), length - taken)
             parts.append([(k[:, :, :n], v[:, :, :n]) for k, v in nd.kv[model]])
             taken += n
-        if not parts:
-            return []
-        if len(parts) == 1:
-            return [(k.clone(), v.clone()) for k, v in parts[0]]
+        if len(parts) <= 1:
+            return parts[0] if parts else []
         return [
             (torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
             for i in range(len(parts[0]))
@@ -175,8 +267,9 @@ class RadixCache:
     def insert(self, namespace: Hashable, ids: Sequence[int], model: str, kv: Segments) -> int:
         """Record ``model``'s KV for the prefix ``ids`` (kv covers at least len(ids) positions).
 
-        Only positions the tree does not hold yet are copied. Returns the number of new positions.
-        Then evicts least recently used leaves until the budget holds.
+        Only positions the tree does not hold yet are copied; host nodes on the path come back to
+        the device (the call that saves them has just used them). Returns the number of new
+        positions. Then evicts least recently used nodes until the budgets hold.
         """
         with self.lock:
             root = self.roots.setdefault(namespace, Node())
@@ -187,16 +280,18 @@ class RadixCache:
                 if child is None:
                     if node is not root and model not in node.kv:
                         break  # invariant: a model's KV never starts below the root
-                    child = Node(key=tuple(ids[pos:]), parent=node)
+                    child = Node(key=tuple(ids[pos:]), parent=node, tier=self.device)
                     node.children[ids[pos]] = child
-                    self.evictable.discard(node)
                     self._update_evictable(child)
+                    self._update_evictable(node)
                 n = _shared(child.key, ids, pos)
                 if n < len(child.key):
                     child = self._split(child, n)
+                if child.tier is self.host:
+                    self._load_back([child])
                 if model not in child.kv:
-                    child.kv[model] = slice_segments(kv, pos, pos + n)
-                    self.bytes_used += segment_bytes(child.kv[model])
+                    child.kv[model] = self.device.slice(kv, pos, pos + n)
+                    self.device.bytes_used += segment_bytes(child.kv[model])
                     added += n
                 child.last_access = tick
                 node, pos = child, pos + n
@@ -205,55 +300,74 @@ class RadixCache:
 
     def _split(self, node: Node, n: int) -> Node:
         """Split node's edge after n tokens; return the new upper node (holding the first n)."""
-        upper = Node(key=node.key[:n], parent=node.parent, last_access=node.last_access)
+        assert node.tier is not None and node.parent is not None
+        upper = Node(key=node.key[:n], parent=node.parent, tier=node.tier, last_access=node.last_access)
         upper.lock_ref = node.lock_ref
         for m, seg in node.kv.items():
-            upper.kv[m] = slice_segments(seg, 0, n)
-            node.kv[m] = slice_segments(seg, n, len(node.key))
-        assert node.parent is not None
+            upper.kv[m] = node.tier.slice(seg, 0, n)
+            node.kv[m] = node.tier.slice(seg, n, len(node.key))
         node.parent.children[node.key[0]] = upper
         node.key = node.key[n:]
         node.parent = upper
         upper.children[node.key[0]] = node
+        self._update_evictable(upper)
         return upper
 
     # --- eviction -------------------------------------------------------------------------------
     def _evict(self) -> None:
-        """Remove least recently used evictable leaves until the budget holds.
+        """Move least recently used device nodes to the host tier until the device budget holds,
+        then drop least recently used host leaves until the host budget holds."""
+        self._shrink(self.device, self._demote)
+        self._shrink(self.host, self._remove)
 
-        As SGLang's ``RadixCache.evict``: a heap of the evictable leaves by last access; a parent
-        left without children (and not in use) joins it. Nothing else touches the tree meanwhile
-        (the lock is held), so no entry goes stale. Accesses stamp one path at a time and only its
-        end is a leaf, so no two leaves share a time: the order is by ``last_access`` alone.
+    def _shrink(self, tier: Tier, out) -> None:
+        """Apply ``out`` (demote or remove) to ``tier``'s least recently used evictable nodes until
+        its budget holds.
+
+        As SGLang's ``RadixCache.evict``: a heap of the evictable nodes by last access; a parent
+        that becomes evictable joins it. Nothing else touches the tree meanwhile (the lock is held),
+        so no entry goes stale. Accesses stamp one path at a time, and no two of a tier's
+        evictable nodes lie on one path, so no two share a time: the order is by ``last_access``.
         """
-        if self.bytes_used <= self.budget:
+        if tier.bytes_used <= tier.budget:
             return
-        heap = [(nd.last_access, id(nd), nd) for nd in self.evictable]
+        heap = [(nd.last_access, id(nd), nd) for nd in tier.evictable]
         heapq.heapify(heap)
-        while self.bytes_used > self.budget and heap:
+        while tier.bytes_used > tier.budget and heap:
             _, _, victim = heapq.heappop(heap)
             parent = victim.parent
-            self._remove(victim)
-            if parent is not None and parent in self.evictable:
+            out(victim)
+            if parent is not None and parent in tier.evictable:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        # what is left over budget is in use: it goes when released and the next insert runs
+        # what is left over budget is in use: it goes when released, or when the next insert runs
+
+    def _demote(self, node: Node) -> None:
+        """Move a device node to the host tier; drop it when it is a leaf the host could not hold."""
+        if not node.children and node.nbytes > self.host.budget:
+            self._remove(node)
+            return
+        self._move(node, self.host)
+        self.demotions += 1
 
     def _remove(self, node: Node) -> None:
-        assert node.parent is not None and not node.children
+        assert node.parent is not None and not node.children and node.tier is not None
         parent = node.parent
         del parent.children[node.key[0]]
-        self.evictable.discard(node)
+        for tier in self.tiers:
+            tier.evictable.discard(node)
         self._update_evictable(parent)
-        self.bytes_used -= node.nbytes
+        node.tier.bytes_used -= node.nbytes
         self.evictions += 1
         node.kv.clear()
 
     def evict_all(self) -> None:
         """Drop every unlocked entry (e.g. to free memory before retrying after an OOM)."""
         with self.lock:
-            budget, self.budget = self.budget, 0
+            budgets = self.device.budget, self.host.budget
+            self.device.budget = self.host.budget = 0
+            self._shrink(self.host, self._remove)  # first, so device leaves are dropped, not moved
             self._evict()
-            self.budget = budget
+            self.device.budget, self.host.budget = budgets
 
     def _nodes(self):
         stack = [c for r in self.roots.values() for c in r.children.values()]
@@ -269,19 +383,33 @@ class RadixCache:
     def check(self) -> None:
         """Assert the invariants in the module docstring."""
         with self.lock:
-            total = 0
+            totals = {id(t): 0 for t in self.tiers}
             for nd in self._nodes():
+                assert nd.tier in self.tiers, f"{nd.tier=}"
+                assert nd.parent is not None
                 for m, seg in nd.kv.items():
                     for k, v in seg:
                         assert k.shape[2] == v.shape[2] == len(nd.key), f"{k.shape=} {len(nd.key)=}"
-                    assert nd.parent is not None
+                        if nd.tier is self.host:  # the device tier keeps the models' own device
+                            assert self.host.holds(k) and self.host.holds(v), f"{k.device=}"
+                            assert k.is_pinned() == v.is_pinned() == self.host.pinned, f"{k.is_pinned()=}"
                     if nd.parent.parent is not None:  # parent is not a root
                         assert m in nd.parent.kv, f"model {m!r} KV starts below the root"
+                if nd.tier is self.device and nd.parent.parent is not None:
+                    assert nd.parent.tier is self.device, "a device node below a host node"
                 assert nd.lock_ref >= 0
-                total += nd.nbytes
-            assert total == self.bytes_used, f"{total=} {self.bytes_used=}"
-            leaves = {nd for nd in self._nodes() if not nd.children and nd.lock_ref == 0}
-            assert leaves == self.evictable, f"{len(leaves)=} {len(self.evictable)=}"
+                totals[id(nd.tier)] += nd.nbytes
+            for tier in self.tiers:
+                total = totals[id(tier)]
+                assert total == tier.bytes_used, f"{tier.name}: {total=} {tier.bytes_used=}"
+                expect = {
+                    nd
+                    for nd in self._nodes()
+                    if nd.tier is tier
+                    and nd.lock_ref == 0
+                    and not any(c.tier is tier for c in nd.children.values())
+                }
+                assert expect == tier.evictable, f"{tier.name}: {len(expect)=} {len(tier.evictable)=}"
 
 
 def _shared(key: tuple[int, ...], ids: Sequence[int], pos: int) -> int:

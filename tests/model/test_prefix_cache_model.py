@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 import agentspec
-from agentspec.bench.conversation import messages_for_call, prompt_ids
+from agentspec.bench.conversation import (
+    OPENAI_TOOLS,
+    bound_messages_for_call,
+    messages_for_call,
+    prompt_ids,
+    tool_choice_for_call,
+)
+from agentspec.chat.request import prepare
+from agentspec.chat.tool_calls import parse_reply
 from agentspec.kv import common_prefix_len
 
 pytestmark = pytest.mark.model
@@ -33,4 +41,27 @@ def test_agent_conversation_same_with_and_without_cache(pair):
             assert expected > 1000, f"call {n} restored only {expected} tokens"
         saved.append(ids + on.token_ids[:-1])
         answers.append(on.text)
+    pair.prefix_cache.tree.check()
+
+
+def test_tool_binding_conversation_same_with_and_without_cache(pair):
+    # tools bound, replies under their grammar, calls parsed and answered: the prompt is re-rendered
+    # from parsed messages each call, and the cache still restores most of it
+    replies: list[dict] = []
+    for n in range(4):
+        msgs = bound_messages_for_call(n, replies)
+        req = prepare(pair.tokenizer, msgs, OPENAI_TOOLS, tool_choice_for_call(n))
+        ids = req.prompt.ids
+        out = {}
+        for cache in (True, False):
+            out[cache] = agentspec.generate(
+                pair, ids, prefix_cache=cache, grammar=req.constraint(pair), max_new_tokens=40
+            )
+        assert out[True].token_ids == out[False].token_ids, f"call {n}: {out[True].text=} {out[False].text=}"
+        if n > 0:
+            restored = out[True].stats.cached_tokens
+            assert restored > 0.8 * len(ids), f"call {n}: {restored=} {len(ids)=}"
+        reply = parse_reply(req.prompt.forced + out[True].text, req.tool_names)
+        msg = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
+        replies.append(msg | {"invalid_tool_calls": reply.invalid_tool_calls})
     pair.prefix_cache.tree.check()
