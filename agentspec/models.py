@@ -159,7 +159,7 @@ def _load_one(source: Any, device: torch.device, dtype: torch.dtype):
     tok = AutoTokenizer.from_pretrained(source, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     model.to(device).eval()
-    use_grouped_sdpa(model)  # CPU: verify passes without per-layer KV copies (agentspec.attention)
+    use_grouped_sdpa(model)  # verify passes without per-layer KV copies, any device (agentspec.attention)
     return model, tok
 
 
