@@ -348,7 +348,8 @@ def _guard(d: torch.Tensor, q: torch.Tensor | None, vocab: int, on_device: bool)
     if q is not None:
         ok = (torch.isfinite(q) & (q >= 0)).all(dim=-1)  # [k]
         flags.append(~ok.all())
-        q = torch.where(ok[:, None], q, torch.nn.functional.one_hot(d.to(q.device), vocab).to(q.dtype))
+        one_hot = torch.zeros_like(q).scatter_(1, d.to(q.device)[:, None], 1.0)  # [k, V]
+        q = torch.where(ok[:, None], q, one_hot)
     return d, q, torch.stack(flags).any() if flags else None
 
 
