@@ -10,6 +10,13 @@ draft at the first position whose calibrated survival no longer pays for its ver
 confidence of a position is the top probability of the distribution the token is drawn from
 (after the grammar mask and, when sampling, temperature/top-k/top-p), read before the token is
 drawn: the length of a sampled draft never depends on the token sampled last (see ``schedule``).
+
+Host syncs: without a grammar the tokens stay on the device (the argmax, or the sample, fed back as
+the next input), the draft's positions in its cache are ``unread`` until ``settle`` names the
+accepted ones from the verified sequence, and the verification reads the tokens with its result.
+A greedy schedule reads the confidences once per block of DEVICE_BLOCK tokens and replays its
+token-by-token decisions over them; a sampled schedule still reads each confidence before each
+draw, so the generator's calls (and a seeded output) are the same as ever.
 """
 
 from __future__ import annotations
@@ -158,7 +165,7 @@ class ModelDrafter(Drafter):
         return next((i for i, c in enumerate(read) if not self.schedule.include(c)), len(read))
 
     def _draft_on_host(self, pending, k, config: GenerationConfig, generator, constraint) -> Draft:
-        """Up to ``k`` tokens read one by one (a grammar, an EAGLE head or a sampled schedule)."""
+        """Up to ``k`` tokens read one by one (a grammar pushes each; a sampled schedule asks before each)."""
         sched = self.schedule
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
