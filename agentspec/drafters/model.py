@@ -16,7 +16,7 @@ the next input), the draft's positions in its cache are ``unread`` until ``settl
 accepted ones from the verified sequence, and the verification reads the tokens with its result.
 A greedy schedule reads the confidences once per block of DEVICE_BLOCK tokens and replays its
 token-by-token decisions over them; a sampled schedule still reads each confidence before each
-draw, so the generator's calls (and a seeded output) are the same as ever.
+draw (not the token), so the generator's calls (and a seeded output) are the same as ever.
 """
 
 from __future__ import annotations
@@ -92,10 +92,9 @@ class ModelDrafter(Drafter):
                 return Draft([])
         start = min(self.verified, len(self.state.ids))
         pending = self.state.sync(seq, start, len(seq) - 1) + seq[-1:]
-        # the host reads each token only where it must: a grammar pushes it, and a sampled draft asks
-        # the schedule before each draw (the generator's calls stay as they are); otherwise the
-        # tokens stay on the device until the verification reads them
-        if constraint is not None or (sched is not None and not config.greedy):
+        # the host reads each token only where a grammar pushes it; otherwise the tokens stay on
+        # the device until the verification reads them
+        if constraint is not None:
             draft = self._draft_on_host(pending, k, config, generator, constraint)
         else:
             draft = self._draft_on_device(pending, k, config, generator)
@@ -120,10 +119,12 @@ class ModelDrafter(Drafter):
     def _draft_on_device(self, pending: list[int], k: int, config: GenerationConfig, generator) -> Draft:
         """Up to ``k`` tokens as a [n] tensor on the device, each fed back without a host read.
 
-        With a schedule (greedy here), the confidences of a block of DEVICE_BLOCK tokens are read
-        at once and the schedule's per-token decisions replayed over them: position i's decision
-        reads only confidences up to i, as when drafting token by token, so the draft is the same;
-        the tokens drafted past the cut within a block are the price of not reading each one.
+        With a greedy schedule, the confidences of a block of DEVICE_BLOCK tokens are read at once
+        and the schedule's per-token decisions replayed over them: position i's decision reads only
+        confidences up to i, as when drafting token by token, so the draft is the same; the tokens
+        drafted past the cut within a block are the price of not reading each one. A sampled
+        schedule reads each confidence before its draw (a draw past the cut would move the
+        generator); the token itself stays on the device.
         """
         sched = self.schedule
         new: list[int] | PassIds = pending
@@ -141,11 +142,14 @@ class ModelDrafter(Drafter):
                     confidences.append(torch.softmax(logits.float(), dim=-1).max())
             else:
                 q = probabilities(logits, config.temperature, config.top_k, config.top_p)
+                # decided before the token is drawn: lossless, and the generator's calls stay as they are
+                if sched is not None and not sched.include(float(q.max())):
+                    break
                 token = torch.multinomial(q, 1, generator=generator)[0]
                 qs.append(q)
             tokens.append(token)
             new = PassIds([], token[None])
-            if sched is None:
+            if sched is None or not config.greedy:
                 included += 1
             elif len(confidences) == DEVICE_BLOCK:
                 kept, block = self._replay(confidences), len(confidences)
@@ -164,8 +168,8 @@ class ModelDrafter(Drafter):
         read = torch.stack(confidences).tolist()
         return next((i for i, c in enumerate(read) if not self.schedule.include(c)), len(read))
 
-    def _draft_on_host(self, pending, k, config: GenerationConfig, generator, constraint) -> Draft:
-        """Up to ``k`` tokens read one by one (a grammar pushes each; a sampled schedule asks before each)."""
+    def _draft_on_host(self, pending, k, config: GenerationConfig, generator, constraint: Constraint):
+        """Up to ``k`` tokens read one by one, each pushed onto the grammar's path."""
         sched = self.schedule
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
@@ -174,11 +178,10 @@ class ModelDrafter(Drafter):
             logits = self._logits(new)
             if logits is None:  # an EAGLE head without the target's feature here: no draft
                 break
-            if constraint is not None:
-                bitmask = constraint.bitmask()  # packed: the kernel applies it, nothing is unpacked
-                if constraint.terminated or not bool(bitmask.any()):
-                    break
-                logits = apply_bitmask(logits[None], bitmask[None])[0]
+            bitmask = constraint.bitmask()  # packed: the kernel applies it, nothing is unpacked
+            if constraint.terminated or not bool(bitmask.any()):
+                break
+            logits = apply_bitmask(logits[None], bitmask[None])[0]
             q = (
                 None
                 if config.greedy
@@ -193,7 +196,7 @@ class ModelDrafter(Drafter):
             else:
                 token = int(torch.multinomial(q, 1, generator=generator).item())
                 qs.append(q)
-            if constraint is not None and not constraint.push(token):
+            if not constraint.push(token):
                 qs = qs[: len(tokens)]
                 break
             tokens.append(token)
