@@ -183,7 +183,7 @@ class HybridDrafter(Drafter):
         if self.model is not None:
             self.model.settle(seq, n_accepted if self.choice == "model" else 0)
             self.model.keep_up(seq)  # while the suffix drafts, the draft model must not fall far behind
-        self.choice = None  # while the suffix drafts, the draft model must not fall far behind
+        self.choice = None
 
     def reset(self) -> None:
         self.suffix.reset()

@@ -125,3 +125,22 @@ def _scan(seq: list[int], k: int, max_n: int = 3) -> list[int]:
             if seq[start : start + n] == seq[-n:]:
                 return seq[start + n : start + n + k]
     return []
+
+
+def test_sync_compares_only_past_what_the_caller_knows_verified(target):
+    state = ModelState(target)
+    state.forward([1, 2, 3], keep=1)
+    assert state.sync([1, 2, 3, 4], start=3) == [4]
+    assert state.sync([9, 2, 3, 4], start=1) == [4]  # the first id is the caller's word, not compared
+    assert state.sync([1, 2, 7, 4], start=1, end=3) == [7]  # rolled back to the common prefix
+    assert state.ids == [1, 2]
+
+
+def test_suffix_speculation_starts_from_the_latest_occurrences_only():
+    from agentspec.drafters.suffix import SuffixIndex
+
+    index = SuffixIndex()
+    index.extend(0, [1, 2] * 600 + [1, 3, 1])  # "1" went on with "2" 600 times, then once with "3"
+    context = index.seqs[0]
+    assert index.speculate(context, 1).tokens == [2]
+    assert index.speculate(context, 1, max_matches=2).tokens == [3]  # the context's own end, and "1 3"
