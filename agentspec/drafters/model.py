@@ -35,7 +35,7 @@ from agentspec.kv import ModelState, PassIds, common_prefix_len
 from agentspec.sampling import probabilities
 
 CATCH_UP = 32  # the most verified tokens the draft is fed at the end of a call (see ``keep_up``)
-DEVICE_BLOCK = 4  # scheduled greedy drafts: tokens drafted on the device between reads of confidences
+DEVICE_BLOCK = 2  # scheduled greedy drafts: tokens drafted on the device between reads of confidences
 
 
 def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
