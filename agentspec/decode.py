@@ -31,13 +31,13 @@ from agentspec.drafters import Draft, Drafter
 from agentspec.drafters.base import Adopted, DrafterLike
 from agentspec.drafters.health import DraftHealth
 from agentspec.grammar import Constraint, Grammar, apply_bitmask
-from agentspec.kv import ModelState
+from agentspec.kv import ModelState, PassIds, to_device
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
 from agentspec.models import ModelPair
 from agentspec.sampling import make_generator, probabilities
 from agentspec.stats import DecodeStats
 from agentspec.text import TextTracker
-from agentspec.verify import greedy_verify, speculative_verify
+from agentspec.verify import greedy_accept, speculative_accept
 
 log = logging.getLogger(__name__)
 
@@ -135,19 +135,31 @@ def check_prompt(pair: ModelPair, prompt_ids: Any) -> list[int]:
 
 
 def check_draft(draft: Draft, k: int, vocab: int) -> Draft:
-    """Validate a drafter's proposal; a ValueError here counts as a drafter failure."""
-    tokens = [int(t) for t in draft.tokens[:k]]
-    bad = [t for t in tokens if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"draft token ids outside [0, {vocab}): {bad[:5]}")
+    """Validate a drafter's proposal; a ValueError here counts as a drafter failure.
+
+    What needs no read of device values: host ids, a tensor's form, q's shape. Device ids and q's
+    values are guarded in ``_guard``, on the device, and reported with the verification's read.
+    """
+    if isinstance(draft.tokens, torch.Tensor):
+        tokens = draft.tokens[:k]
+        if tokens.dim() != 1 or tokens.dtype != torch.long:
+            shape = list(tokens.shape)
+            raise ValueError(f"draft tokens: expected a [k] long tensor, got {tokens.dtype} {shape}")
+    else:
+        tokens = [int(t) for t in draft.tokens[:k]]
+        _check_ids(tokens, vocab)
     q = draft.q
     if q is not None:
         q = q[: len(tokens)]
         if tuple(q.shape) != (len(tokens), vocab):
             raise ValueError(f"draft q has shape {tuple(q.shape)}, expected {(len(tokens), vocab)}")
-        if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
-            raise ValueError("draft q has negative or non-finite probabilities")
     return Draft(tokens, q, draft.source)
+
+
+def _check_ids(tokens: list[int], vocab: int) -> None:
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"draft token ids outside [0, {vocab}): {bad[:5]}")
 
 
 def _drop(drafter: Drafter, exc: Exception, stats: DecodeStats) -> None:
@@ -295,19 +307,24 @@ def _propose(call: _Call, seq: list[int], k: int) -> Draft:
 
 def _draft(call: _Call, forced: list[int], k: int, finished: bool):
     """The pass's draft after ``forced``: the text the grammar forces, then the drafter's guess, fit
-    to the grammar. Returns (tokens, q [len(tokens), V] or None, jump-forward tokens leading, source)."""
+    to the grammar. Returns (tokens: host ids, or a [k] tensor still on the device; q [len(tokens),
+    V] or None; jump-forward tokens leading; source)."""
     c = call.constraint
     tokens = c.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if call.jump else []
     n_jump = len(tokens)
     k_draft = min(call.draft_cap, k - n_jump)
     q, source = None, None
     if call.drafter is not None and k_draft > 0 and not finished:
-        draft = _propose(call, call.seq + forced + tokens, k_draft)
+        seq = call.seq + forced + tokens if forced or tokens else call.seq  # no copy per pass if none
+        draft = _propose(call, seq, k_draft)
         source = draft.source
+        drafted = draft.tokens
+        if c is not None and isinstance(drafted, torch.Tensor):  # the grammar fits a draft on the host
+            drafted = drafted.tolist()
         if draft.q is not None:  # jump-forward tokens are certain proposals: one-hot q
             jumped = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), call.vocab)
             q = torch.cat([jumped.to(draft.q), draft.q]) if tokens else draft.q
-        tokens += draft.tokens
+        tokens = drafted if not tokens else tokens + drafted  # no jump-forward without a grammar
     if c is not None:
         tokens = tokens[: _fit_to_grammar(c, tokens, n_jump, q is not None)]
     if len(tokens) == n_jump:  # no drafter guess survived: only grammar-forced tokens, or nothing
@@ -315,38 +332,85 @@ def _draft(call: _Call, forced: list[int], k: int, finished: bool):
     return tokens, q, n_jump, source
 
 
-def _verify(call: _Call, head: list[int], tokens: list[int], q: torch.Tensor | None) -> tuple[int, int]:
-    """One target pass over ``head`` (tokens to feed: pending, then forced) and the draft ``tokens``.
+def _guard(d: torch.Tensor, q: torch.Tensor | None, vocab: int, on_device: bool):
+    """The draft made safe to verify without reading it: (d, q, a [] flag set when it was not).
 
-    Returns (draft tokens accepted, the token drawn after them); the target is rolled back to the
-    verified tokens, and the constraint commits them.
+    Device ids outside the vocabulary are clamped into it (fed to an embedding they would fault
+    the device). Rows of q that are not distributions (non-finite or negative entries) become
+    one-hot at their token, which speculative verification treats exactly as a model-free draft:
+    lossless whatever the token was drawn from. The flag, read with the verification's result,
+    makes the draft a drafter failure; a valid draft is left exactly as it was.
+    """
+    flags = []
+    if on_device:
+        flags.append(((d < 0) | (d >= vocab)).any())
+        d = d.clamp(0, vocab - 1)
+    if q is not None:
+        ok = (torch.isfinite(q) & (q >= 0)).all(dim=-1)  # [k]
+        flags.append(~ok.all())
+        one_hot = torch.zeros_like(q).scatter_(1, d.to(q.device)[:, None], 1.0)  # [k, V]
+        q = torch.where(ok[:, None], q, one_hot)
+    return d, q, torch.stack(flags).any() if flags else None
+
+
+def _read(result: torch.Tensor, bad: torch.Tensor | None, d: torch.Tensor | None):
+    """The one host read of a verification: (n, token, the draft's ids or None, draft was bad)."""
+    parts = [result]
+    if bad is not None:
+        parts.append(bad.long().reshape(1).to(result.device))
+    if d is not None:
+        parts.append(d.to(result.device))
+    read = torch.cat(parts).tolist()
+    flagged = bad is not None and bool(read[2])
+    return read[0], read[1], read[2 + (bad is not None) :] if d is not None else None, flagged
+
+
+def _verify(call: _Call, head: list[int], tokens, q: torch.Tensor | None) -> tuple[int, int, list[int]]:
+    """One target pass over ``head`` (tokens to feed: pending, then forced) and the draft ``tokens``
+    (host ids, or a [k] tensor on the device).
+
+    Returns (draft tokens accepted, the token drawn after them, the accepted draft tokens); the
+    target is rolled back to the verified tokens, and the constraint commits them. The host reads
+    the device once: the accept count, the token and (when they live there) the draft's ids.
     """
     target, c, config = call.target, call.constraint, call.config
     tap = call.drafter is not None and call.drafter.uses_target_hidden  # an EAGLE head drafts from them
     at = len(target.ids)  # position of the pass's first token
-    logits = forward_retrying(target, head + tokens, len(tokens) + 1, call.free_memory, tap)
-    logits, hidden = logits if tap else (logits, None)  # [k+1, V]; [pass tokens, H]
-    if c is not None:
-        logits = apply_bitmask(logits, c.bitmasks(len(tokens) + 1))
-    d = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-    if config.greedy:
-        n, token = greedy_verify(d, logits)
-    else:
-        p = probabilities(logits, config.temperature, config.top_k, config.top_p)
-        n, token = speculative_verify(d, p, q[: len(tokens)] if q is not None else None, call.gen)
+    k = len(tokens)
+    on_device = isinstance(tokens, torch.Tensor)
+    d = tokens if on_device else to_device(tokens, call.pair.device)  # [k]
+    q = q[:k] if q is not None and not config.greedy else None
+    d, q, bad = _guard(d, q, call.vocab, on_device)
+    out = forward_retrying(target, PassIds(head, d), k + 1, call.free_memory, tap)
+    try:
+        logits, hidden = out if tap else (out, None)  # [k+1, V]; [pass tokens, H]
+        if c is not None:
+            logits = apply_bitmask(logits, c.bitmasks(k + 1))
+        if config.greedy:
+            result = greedy_accept(d, logits)  # [2]
+        else:
+            p = probabilities(logits, config.temperature, config.top_k, config.top_p)
+            result = speculative_accept(d, p, q, call.gen)
+        n, token, ids, flagged = _read(result, bad, d if on_device else None)
+    except BaseException:
+        target.truncate(at)  # the pass's positions are not verified: the state stays whole
+        raise
+    accepted = ids[:n] if on_device else tokens[:n]
     assert 0 <= token < call.vocab, f"{token=} {call.vocab=}"
-    target.truncate(at + len(head) + n)  # roll back the rejected draft tokens
+    target.settle(accepted)  # roll back the rejected draft tokens
     if hidden is not None:  # the verified positions' features
         try:
             call.drafter.observe_hidden(at, hidden[: len(target.ids) - at])
         except Exception as exc:
             call.drop(exc)
+    if flagged and call.drafter is not None:  # verified as a model-free draft: the output stands
+        call.drop(ValueError("draft ids outside the vocabulary, or a q with negative or non-finite values"))
     if c is not None:
         c.commit(n)
         if not c.terminated and not c.push(token):
             raise RuntimeError(f"the grammar rejected token {token} drawn under its own mask")
         c.commit(len(c.path))
-    return n, token
+    return n, token, accepted
 
 
 def _one_pass(call: _Call) -> Step:
@@ -364,11 +428,11 @@ def _one_pass(call: _Call) -> Step:
     verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
     n, new = 0, list(forced)
     if verified:
-        n, token = _verify(call, pending + forced, tokens, q)
+        n, token, accepted = _verify(call, pending + forced, tokens, q)
         stats.observe_step(len(tokens), n, source)
         stats.jump_forward_tokens += n_jump
         stats.jump_forward_accepted += min(n, n_jump)
-        new += tokens[:n] + [token]
+        new += accepted + [token]
     new, reason, cut = _finish(new, len(call.out), call.budget, call.eos, call.text, call.out)
     if reason is None and c is not None and c.terminated:
         reason = "stop"  # the grammar is complete (it accepted a stop token)

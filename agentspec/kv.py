@@ -1,8 +1,12 @@
 """A model's KV cache together with the token ids it covers.
 
-Invariant (asserted): ``cache.get_seq_length() == len(ids)``. Roll-back is one call to
+Invariant (asserted): ``cache.get_seq_length() == len(ids) + unread``. Roll-back is one call to
 ``truncate``; ``sync`` crops to the longest common prefix with a new sequence, so a state that is
 reused across steps (or calls) only ever re-reads the tokens that changed.
+
+Host syncs: ids go to the device without the host waiting (``to_device``), and a pass may be fed
+tokens that are still on the device (``PassIds``: a draft model's tokens, which the verification
+reads back once, with its own result). Their positions are ``unread`` until ``settle`` names them.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -114,64 +119,137 @@ def few_rows_pass(rows: int) -> Iterator[None]:
         _FEW_ROWS_PASS.reset(token)
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, given that their first ``start``
+    entries are known to agree (only the rest is compared: O(new tokens), not O(context))."""
     n = min(len(a), len(b))
-    i = 0
+    i = min(start, n)
+    if a[i:n] == b[i:n]:  # the usual case, compared in C
+        return n
     while i < n and a[i] == b[i]:
         i += 1
     return i
 
 
+def to_device(ids: list[int], device: torch.device) -> torch.Tensor:
+    """ids [n] as a long tensor on ``device``, copied without making the host wait.
+
+    On CUDA the ids are staged in pinned host memory and copied with ``non_blocking=True`` (a copy
+    from pageable memory blocks until it is done); PyTorch's pinned allocator keeps the staging
+    buffer until the copy has run. Elsewhere a plain tensor.
+    """
+    if device.type != "cuda":
+        return torch.tensor(ids, dtype=torch.long, device=device)
+    staged = torch.tensor(ids, dtype=torch.long).pin_memory()
+    return staged.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class PassIds:
+    """A pass's new tokens: ``host`` ids, then ``device`` ids [k] still on the model's device.
+
+    A draft model's tokens stay on the device while it drafts and while the target verifies them;
+    their values come back with the verification's one read. ``list + PassIds`` prepends host ids
+    (a retried pass feeds the covered ids again before the same new tokens).
+    """
+
+    host: list[int]
+    device: torch.Tensor | None = None  # [k] long
+
+    def __len__(self) -> int:
+        return len(self.host) + (0 if self.device is None else self.device.shape[0])
+
+    def __radd__(self, ids: list[int]) -> PassIds:
+        return PassIds(ids + self.host, self.device)
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        """All the ids as one [1, n] long tensor on ``device``."""
+        parts = [to_device(self.host, device)] if self.host else []
+        if self.device is not None:
+            parts.append(self.device.to(device=device, dtype=torch.long).reshape(-1))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts))[None]
+
+
 class ModelState:
-    """One model's DynamicCache and the ids whose keys and values it holds."""
+    """One model's DynamicCache and the ids whose keys and values it holds.
+
+    The last ``unread`` cached positions were fed from the device (``PassIds.device``): their ids
+    are not in ``ids`` until ``settle`` gives them; ``truncate`` and ``sync`` roll them back.
+    """
 
     def __init__(self, model, cache: DynamicCache | None = None, ids: list[int] | None = None):
         self.model = model
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
         self.ids: list[int] = list(ids or [])
+        self.unread = 0  # cached positions after ``ids`` whose ids are still on the device
         self.check()
 
     def check(self) -> None:
         n_cache = self.cache.get_seq_length()
-        assert n_cache == len(self.ids), f"KV cache out of step: {n_cache=} {len(self.ids)=}"
+        assert n_cache == len(self.ids) + self.unread, (
+            f"KV cache out of step: {n_cache=} {len(self.ids)=} {self.unread=}"
+        )
 
     def truncate(self, length: int) -> None:
-        """Keep the first ``length`` cached tokens (roll back the rest)."""
-        extra = len(self.ids) - length
+        """Keep the first ``length`` cached tokens of ``ids`` (roll back the rest, unread ones too)."""
+        length = min(length, len(self.ids))
+        extra = len(self.ids) + self.unread - length
         if extra > 0:
             self.cache.crop(-extra)  # transformers 5.x: a negative count removes that many
             del self.ids[length:]
+            self.unread = 0
         self.check()
 
-    def sync(self, seq: list[int]) -> list[int]:
-        """Roll back to the longest common prefix with ``seq``; return the ids still to feed."""
-        self.truncate(common_prefix_len(self.ids, seq))
-        return seq[len(self.ids) :]
+    def settle(self, ids: list[int]) -> None:
+        """The first unread positions hold ``ids`` (read back after the pass): they join ``ids``;
+        the unread positions after them are rolled back."""
+        assert len(ids) <= self.unread, f"{len(ids)=} {self.unread=}"
+        extra = self.unread - len(ids)
+        if extra:
+            self.cache.crop(-extra)
+        self.ids.extend(ids)
+        self.unread = 0
+        self.check()
+
+    def sync(self, seq: list[int], start: int = 0, end: int | None = None) -> list[int]:
+        """Roll back to the longest common prefix with ``seq[:end]``; return the ids still to feed.
+
+        ``start``: how many leading ids the caller knows already agree with ``seq`` (a drafter's
+        count of verified ones: the verified sequence only grows within a call), so a pass
+        compares only the tokens after them.
+        """
+        end = len(seq) if end is None else end
+        self.truncate(min(common_prefix_len(self.ids, seq, start), end))
+        return seq[len(self.ids) : end]
 
     @torch.inference_mode()
-    def forward(self, new_ids: list[int], keep: int, hidden: bool = False):
+    def forward(self, new_ids: list[int] | PassIds, keep: int, hidden: bool = False):
         """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
 
+        ``PassIds`` with device ids: those positions are ``unread`` after the pass (no host read).
         With ``hidden``, return (logits, the final norm's output for ``new_ids`` [len(new_ids), H]):
         the features an EAGLE head drafts from (``agentspec.drafters.eagle``).
         """
-        assert new_ids, "forward needs at least one new token"
-        device = self.model.device
-        x = torch.tensor([new_ids], dtype=torch.long, device=device)
+        new = new_ids if isinstance(new_ids, PassIds) else PassIds(new_ids)
+        assert len(new), "forward needs at least one new token"
+        assert not (self.unread and new.host), "host ids cannot follow unread positions: settle first"
+        x = new.tensor(self.model.device)
         try:
             with ExitStack() as stack:
-                stack.enter_context(few_rows_pass(len(new_ids)))
+                stack.enter_context(few_rows_pass(len(new)))
                 captured = stack.enter_context(final_hidden(self.model)) if hidden else None
                 out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
         except BaseException:
             self.reset()  # a failed pass may have updated some layers only: start clean
             raise
-        self.ids.extend(new_ids)
+        self.ids.extend(new.host)
+        self.unread += len(new) - len(new.host)
         self.check()
         if captured is not None:
-            return out.logits[0, -keep:], captured[-1][0, -len(new_ids) :]
+            return out.logits[0, -keep:], captured[-1][0, -len(new) :]
         return out.logits[0, -keep:]
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.ids = []
+        self.unread = 0

@@ -8,9 +8,9 @@ text ends right before it.
 from __future__ import annotations
 
 
-def stop_cut(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index where the earliest stop string starts in text, or None."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+def stop_cut(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
+    """Index where the earliest stop string starts in text (at ``start`` or later), or None."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(found) if found else None
 
 
@@ -82,10 +82,13 @@ class TextTracker:
 
     def first_stop(self, prev_ids: list[int], new_ids: list[int]) -> tuple[int, int] | None:
         """If a stop string completes within new_ids: (tokens of new_ids to keep, text cut index)."""
-        if not self.stops or stop_cut(self.text(prev_ids + new_ids), self.stops) is None:
+        # released text holds no stop string nor the start of one cut off at its end: a stop can
+        # only start within the longest stop's length before it (a search bounded by new text)
+        start = max(0, self.released - max(map(len, self.stops), default=0))
+        if not self.stops or stop_cut(self.text(prev_ids + new_ids), self.stops, start) is None:
             return None
         for j in range(1, len(new_ids) + 1):  # the first token that completes a stop string
-            cut = stop_cut(self.text(prev_ids + new_ids[:j]), self.stops)
+            cut = stop_cut(self.text(prev_ids + new_ids[:j]), self.stops, start)
             if cut is not None:
                 return j, cut
         raise AssertionError("unreachable: the full decode contains a stop string")

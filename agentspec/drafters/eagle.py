@@ -30,7 +30,7 @@ import copy
 
 import torch
 
-from agentspec.kv import common_prefix_len
+from agentspec.kv import PassIds, common_prefix_len, to_device
 
 EAGLE_ARCHITECTURE = "eagle"
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
@@ -123,6 +123,7 @@ class EagleState:
 
         self.cache = DynamicCache(config=self.model.decoder.config)
         self.ids: list[int] = []
+        self.unread = 0  # drafted entries after ``ids`` fed from the device (their ids not read)
         self.base = 0
         self.real = 0
         self.last: torch.Tensor | None = None  # [d]: the head's output at the last entry
@@ -132,7 +133,9 @@ class EagleState:
 
     def check(self) -> None:
         n = self.cache.get_seq_length()
-        assert n == len(self.ids) - self.base, f"EAGLE cache out of step: {n=} {len(self.ids)=} {self.base=}"
+        assert n == len(self.ids) + self.unread - self.base, (
+            f"EAGLE cache out of step: {n=} {len(self.ids)=} {self.unread=} {self.base=}"
+        )
         assert self.base <= self.real <= len(self.ids), (self.base, self.real, len(self.ids))
 
     def observe(self, pos: int, hidden: torch.Tensor) -> None:
@@ -162,8 +165,10 @@ class EagleState:
         return out
 
     def truncate(self, length: int) -> None:
-        """Keep the entries of ``ids[:length]`` (the target's features are ``sync``'s business)."""
-        extra = len(self.ids) - length
+        """Keep the entries of ``ids[:length]``, unread ones rolled back (the target's features are
+        ``sync``'s business)."""
+        length = min(length, len(self.ids))
+        extra = len(self.ids) + self.unread - length
         if extra > 0:
             if length <= self.base:
                 self.reset_cache(length)
@@ -173,30 +178,39 @@ class EagleState:
                 del self.ids[length:]
                 self.real = min(self.real, length)
                 self.last = None  # the output before the cut is not kept: chaining needs a new pass
+            self.unread = 0
         self.check()
+
+    def settle(self, ids: list[int]) -> None:
+        """After a verify pass: the unread drafted entries are rolled back (drafted entries read the
+        head's own outputs, so they are never kept; ``ids``, their verified values, are not needed)."""
+        self.truncate(len(self.ids))
 
     def reset_cache(self, base: int) -> None:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.decoder.config)
         self.base = self.real = base
+        self.unread = 0
         self.last = None
 
-    def sync(self, seq: list[int]) -> list[int]:
-        """Roll back to the verified entries ``seq`` still starts with; return the ids to feed.
+    def sync(self, seq: list[int], start: int = 0, end: int | None = None) -> list[int]:
+        """Roll back to the verified entries ``seq[:end]`` still starts with; return the ids to feed.
 
         Drafted entries are always rolled back (they read the head's own outputs). The target's
         features describe the verified sequence, which only grows within a call: a ``seq`` that
-        differs inside it is another sequence, and its features are dropped with it.
+        differs inside it is another sequence, and its features are dropped with it. ``start``:
+        leading ids the caller knows agree with ``seq`` (``ModelState.sync``).
         """
-        common = common_prefix_len(self.ids, seq)
+        end = len(seq) if end is None else end
+        common = min(common_prefix_len(self.ids, seq, start), end)
         if common < self.real:
             self._feats, self.feat_pos, self.feat_end, self.seen = [], 0, 0, False
         self.truncate(min(common, self.real))
-        return seq[len(self.ids) :]
+        return seq[len(self.ids) : end]
 
     @torch.inference_mode()
-    def forward(self, new_ids: list[int], keep: int) -> torch.Tensor:
+    def forward(self, new_ids: list[int] | PassIds, keep: int) -> torch.Tensor:
         """Feed ``new_ids``; return the logits of the last ``keep`` of them [keep, V], or [0, V] when
         the last one could not be fed.
 
@@ -206,7 +220,13 @@ class EagleState:
         wait for their feature (before the first verify pass, or with nothing to chain from) are
         left out of ``ids``: the next ``sync`` returns them again.
         """
+        if isinstance(new_ids, PassIds):
+            if new_ids.device is not None:
+                assert not new_ids.host, "a drafted token on the device comes alone"
+                return self._draft_step(new_ids.device)
+            new_ids = new_ids.host
         assert new_ids, "forward needs at least one new token"
+        assert not self.unread, "host ids cannot follow unread entries: settle first"
         outs: list[torch.Tensor] = []
         i, n = 0, len(new_ids)
         fed_last = False
@@ -238,18 +258,29 @@ class EagleState:
         hidden = torch.cat(outs)[-keep:]
         return self.model.head(hidden)
 
+    def _draft_step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Feed drafted tokens still on the device [1] with the head's last output; their logits
+        [1, V], or [0, V] with nothing to chain from. Their entries are ``unread``."""
+        if self.last is None or len(self.ids) + self.unread == self.base:
+            return torch.zeros((0, 1))
+        return self.model.head(self._feed(self.last[None], ids))[-1:]
+
     def _zero_row(self) -> torch.Tensor:
         return torch.zeros(
             (1, self.model.config.hidden_size), device=self.model.device, dtype=self.model.dtype
         )
 
-    def _feed(self, feats: torch.Tensor, ids: list[int]) -> torch.Tensor:
-        x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
+    def _feed(self, feats: torch.Tensor, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        on_device = isinstance(ids, torch.Tensor)
+        x = ids.reshape(1, -1) if on_device else to_device(ids, self.model.device)[None]
         try:
             h = self.model.hidden(feats[None].to(self.model.device), x, cache=self.cache)[0]
         except BaseException:
             self.reset()
             raise
-        self.ids.extend(ids)
+        if on_device:
+            self.unread += x.shape[1]
+        else:
+            self.ids.extend(ids)
         self.last = h[-1]
         return h

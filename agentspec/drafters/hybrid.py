@@ -165,7 +165,7 @@ class HybridDrafter(Drafter):
             self._branches, self._group = branches, group
         elif self.model is not None:
             draft = self.model.draft(seq, k, config, generator, constraint)
-            self.choice = "model" if draft.tokens else "none"
+            self.choice = "model" if len(draft.tokens) else "none"
         else:
             draft, self.choice = Draft([]), "none"
         draft.source = self.choice
@@ -179,10 +179,11 @@ class HybridDrafter(Drafter):
             self.calibration.observe(self._branches, n_accepted, [self._group] * n_drafted)
         elif self.choice == "model":
             self.model.schedule.observe(n_accepted, n_drafted)
-        self.choice = None
         self.suffix.record(seq)
         if self.model is not None:
+            self.model.settle(seq, n_accepted if self.choice == "model" else 0)
             self.model.keep_up(seq)  # while the suffix drafts, the draft model must not fall far behind
+        self.choice = None
 
     def reset(self) -> None:
         self.suffix.reset()

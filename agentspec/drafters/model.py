@@ -10,6 +10,13 @@ draft at the first position whose calibrated survival no longer pays for its ver
 confidence of a position is the top probability of the distribution the token is drawn from
 (after the grammar mask and, when sampling, temperature/top-k/top-p), read before the token is
 drawn: the length of a sampled draft never depends on the token sampled last (see ``schedule``).
+
+Host syncs: without a grammar the tokens stay on the device (the argmax, or the sample, fed back as
+the next input), the draft's positions in its cache are ``unread`` until ``settle`` names the
+accepted ones from the verified sequence, and the verification reads the tokens with its result.
+A greedy schedule reads the confidences once per block of DEVICE_BLOCK tokens and replays its
+token-by-token decisions over them; a sampled schedule still reads each confidence before each
+draw (not the token), so the generator's calls (and a seeded output) are the same as ever.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.eagle import EagleState, is_eagle
 from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
 from agentspec.grammar import Constraint, apply_bitmask
-from agentspec.kv import ModelState
+from agentspec.kv import ModelState, PassIds, common_prefix_len
 from agentspec.sampling import probabilities
 
 CATCH_UP = 32  # the most verified tokens the draft is fed at the end of a call (see ``keep_up``)
+DEVICE_BLOCK = 2  # scheduled greedy drafts: tokens drafted on the device between reads of confidences
 
 
 def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
@@ -58,6 +66,8 @@ class ModelDrafter(Drafter):
         if schedule is not None:
             self.draft_cap = 16
         self.timer = PassTimer()  # times verify passes for the schedule's cost model
+        self.verified = 0  # leading ids of the state known to match this call's verified sequence
+        self._fed_at: int | None = None  # position of the last draft's first token, fed unread
         if name is not None:
             self.name = name
 
@@ -71,6 +81,7 @@ class ModelDrafter(Drafter):
 
     def draft(self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None) -> Draft:
         """``propose`` without timing the pass (for a drafter that holds this one and times its own)."""
+        self._fed_at = None
         if k <= 0:
             return Draft([])
         sched = self.schedule
@@ -79,22 +90,98 @@ class ModelDrafter(Drafter):
                 sched.begin(config.greedy)
             if not sched.start(k):
                 return Draft([])
-        pending = self.state.sync(seq[:-1]) + seq[-1:]
+        start = min(self.verified, len(self.state.ids))
+        pending = self.state.sync(seq, start, len(seq) - 1) + seq[-1:]
+        # the host reads each token only where a grammar pushes it; otherwise the tokens stay on
+        # the device until the verification reads them
+        if constraint is not None:
+            draft = self._draft_on_host(pending, k, config, generator, constraint)
+        else:
+            draft = self._draft_on_device(pending, k, config, generator)
+            self._fed_at = len(seq)  # the draft's position in the state: its first unread one
+        if sched is not None:
+            # a deterministic draft may also be cut after the fact, to its best prefix
+            n = sched.trim() if config.greedy else len(draft.tokens)
+            sched.keep(min(n, len(draft.tokens)))
+            draft.tokens = draft.tokens[:n]
+        return draft
+
+    def _logits(self, new: list[int] | PassIds) -> torch.Tensor | None:
+        """The next token's logits [V] after feeding ``new`` (None: an EAGLE head had no feature)."""
+        t0 = time.perf_counter()
+        rows = self.state.forward(new, keep=1)
+        if not len(rows):
+            return None
+        if self.schedule is not None and len(new) == 1:
+            self.schedule.cost.observe_draft(time.perf_counter() - t0)
+        return fit_vocab(rows[-1], self.vocab_size)  # [V]
+
+    def _draft_on_device(self, pending: list[int], k: int, config: GenerationConfig, generator) -> Draft:
+        """Up to ``k`` tokens as a [n] tensor on the device, each fed back without a host read.
+
+        With a greedy schedule, the confidences of a block of DEVICE_BLOCK tokens are read at once
+        and the schedule's per-token decisions replayed over them: position i's decision reads only
+        confidences up to i, as when drafting token by token, so the draft is the same; the tokens
+        drafted past the cut within a block are the price of not reading each one. A sampled
+        schedule reads each confidence before its draw (a draw past the cut would move the
+        generator); the token itself stays on the device.
+        """
+        sched = self.schedule
+        new: list[int] | PassIds = pending
+        tokens: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
+        confidences: list[torch.Tensor] = []
+        included = 0
+        while len(tokens) < k:
+            logits = self._logits(new)
+            if logits is None:  # an EAGLE head without the target's feature here: no further draft
+                break
+            if config.greedy:
+                token = logits.argmax()
+                if sched is not None:
+                    confidences.append(torch.softmax(logits.float(), dim=-1).max())
+            else:
+                q = probabilities(logits, config.temperature, config.top_k, config.top_p)
+                # decided before the token is drawn: lossless, and the generator's calls stay as they are
+                if sched is not None and not sched.include(float(q.max())):
+                    break
+                token = torch.multinomial(q, 1, generator=generator)[0]
+                qs.append(q)
+            tokens.append(token)
+            new = PassIds([], token[None])
+            if sched is None or not config.greedy:
+                included += 1
+            elif len(confidences) == DEVICE_BLOCK:
+                kept, block = self._replay(confidences), len(confidences)
+                included, confidences = included + kept, []
+                if kept < block:
+                    break
+        if confidences:
+            included += self._replay(confidences)
+        if not included:
+            return Draft([])
+        return Draft(torch.stack(tokens[:included]), torch.stack(qs) if qs else None)
+
+    def _replay(self, confidences: list[torch.Tensor]) -> int:
+        """Read a block's confidences at once and ask the schedule about each in turn, as drafting
+        token by token would: how many it includes before its first no."""
+        read = torch.stack(confidences).tolist()
+        return next((i for i, c in enumerate(read) if not self.schedule.include(c)), len(read))
+
+    def _draft_on_host(self, pending, k, config: GenerationConfig, generator, constraint: Constraint):
+        """Up to ``k`` tokens read one by one, each pushed onto the grammar's path."""
+        sched = self.schedule
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
+        new = pending
         for _ in range(k):
-            t0 = time.perf_counter()
-            rows = self.state.forward(pending, keep=1)
-            if not len(rows):  # an EAGLE head without the target's feature here: no draft
+            logits = self._logits(new)
+            if logits is None:  # an EAGLE head without the target's feature here: no draft
                 break
-            logits = fit_vocab(rows[-1], self.vocab_size)  # [V]
-            if sched is not None and len(pending) == 1:
-                sched.cost.observe_draft(time.perf_counter() - t0)
-            if constraint is not None:
-                bitmask = constraint.bitmask()  # packed: the kernel applies it, nothing is unpacked
-                if constraint.terminated or not bool(bitmask.any()):
-                    break
-                logits = apply_bitmask(logits[None], bitmask[None])[0]
+            bitmask = constraint.bitmask()  # packed: the kernel applies it, nothing is unpacked
+            if constraint.terminated or not bool(bitmask.any()):
+                break
+            logits = apply_bitmask(logits[None], bitmask[None])[0]
             q = (
                 None
                 if config.greedy
@@ -109,17 +196,22 @@ class ModelDrafter(Drafter):
             else:
                 token = int(torch.multinomial(q, 1, generator=generator).item())
                 qs.append(q)
-            if constraint is not None and not constraint.push(token):
+            if not constraint.push(token):
                 qs = qs[: len(tokens)]
                 break
             tokens.append(token)
-            pending = [token]
-        if sched is not None:
-            # a deterministic draft may also be cut after the fact, to its best prefix
-            n = sched.trim() if config.greedy else len(tokens)
-            sched.keep(min(n, len(tokens)))
-            tokens = tokens[:n]
+            new = [token]
         return Draft(tokens, torch.stack(qs) if qs else None)
+
+    def settle(self, seq: list[int], n_accepted: int) -> None:
+        """After a verify pass (``seq``: the verified sequence): the draft positions fed from the
+        device hold the accepted tokens (the rest are rolled back), and the count of the state's
+        ids known to be verified moves up, so the next ``sync`` compares only what is new."""
+        state = self.state
+        if self._fed_at is not None and state.unread:
+            state.settle(seq[self._fed_at : self._fed_at + n_accepted][: state.unread])
+        self._fed_at = None
+        self.verified = common_prefix_len(state.ids, seq, min(self.verified, len(state.ids)))
 
     def observe_hidden(self, position: int, hidden: torch.Tensor) -> None:
         self.state.observe(position, hidden)
@@ -130,6 +222,7 @@ class ModelDrafter(Drafter):
 
     def adopt_kv_state(self, state: ModelState) -> None:
         self.state = state
+        self.verified = 0  # compared in full once, at the next sync
 
     @property
     def idle(self) -> bool:
@@ -145,7 +238,7 @@ class ModelDrafter(Drafter):
         """
         if self.idle:
             return
-        pending = self.state.sync(ids)
+        pending = self.state.sync(ids, min(self.verified, len(self.state.ids)))
         if 0 < len(pending) <= limit:
             self.state.forward(pending, keep=1)
 
@@ -158,12 +251,13 @@ class ModelDrafter(Drafter):
         draft (``idle``) is not kept up at all: its next probe feeds the gap.
         """
         if not self.idle and len(seq) - 1 - len(self.state.ids) > lag:
-            pending = self.state.sync(seq[:-1])
+            pending = self.state.sync(seq, min(self.verified, len(self.state.ids)), len(seq) - 1)
             if pending:
                 self.state.forward(pending, keep=1)
 
     def feedback(self, seq, n_accepted, n_drafted) -> None:
         # the next propose() syncs the cache to the verified sequence; the schedule learns
+        self.settle(seq, n_accepted)
         if self.schedule is not None and self.schedule.cost is not None:
             self.timer.verified(self.schedule.cost, n_drafted)
             self.schedule.observe(n_accepted, n_drafted)
@@ -172,5 +266,6 @@ class ModelDrafter(Drafter):
     def reset(self) -> None:
         self.state.reset()
         self.timer.reset()
+        self.verified, self._fed_at = 0, None
         if self.schedule is not None:
             self.schedule.end_call()

@@ -2,28 +2,67 @@
 
 Model-free: it costs microseconds per step and shines where the output copies its context (tool
 results, code edits, JSON that repeats keys), which is most of an agent's traffic.
+
+The drafter keeps an n-gram index of the call's sequence (``NgramIndex``), grown by the tokens each
+pass adds and rolled back where a proposal's unverified tail changed: a proposal costs O(new
+tokens + n), not a scan of the context, and stays in Python (no host tensors).
 """
 
 from __future__ import annotations
 
-import torch
-
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
+from agentspec.kv import common_prefix_len
+
+
+class NgramIndex:
+    """One sequence and, per n-gram (``min_ngram <= n <= max_ngram``) with a token after it, the
+    positions where it starts, in increasing order (so the latest match is the last)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.seq: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+
+    def _grams(self, length: int):
+        """The n-grams that gained their continuation when the sequence reached ``length``: those
+        ending at position ``length - 2``, as (key, start)."""
+        seq = self.seq
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            start = length - 1 - n
+            if start >= 0:
+                yield tuple(seq[start : start + n]), start
+
+    def sync(self, seq: list[int], start: int = 0) -> None:
+        """Become ``seq``; its first ``start`` tokens are known to be the index's already."""
+        n = common_prefix_len(self.seq, seq, start)
+        for length in range(len(self.seq), n, -1):  # roll back, newest first
+            for key, _ in self._grams(length):
+                self.starts[key].pop()
+        del self.seq[n:]
+        for t in seq[n:]:
+            self.seq.append(t)
+            for key, s in self._grams(len(self.seq)):
+                self.starts.setdefault(key, []).append(s)
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens following the latest earlier match of the last n-gram (longest n first)."""
+        seq = self.seq
+        if k <= 0 or len(seq) < 2:
+            return []
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            hits = self.starts.get(tuple(seq[-n:]))
+            if hits:
+                start = hits[-1] + n  # the latest match: its continuation starts here
+                return seq[start : start + k]
+        return []
 
 
 def lookup(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Up to k tokens following the latest earlier match of seq's last n-gram (longest n first)."""
-    if k <= 0 or len(seq) < 2:
-        return []
-    t = torch.tensor(seq, dtype=torch.long)
-    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
-        windows = t[:-1].unfold(0, n, 1)  # [L-n, n]: every n-gram that has a token after it
-        hits = (windows == t[-n:]).all(dim=1).nonzero().flatten()
-        if hits.numel():
-            start = int(hits[-1]) + n  # the latest match: its continuation starts here
-            return seq[start : start + k]
-    return []
+    index = NgramIndex(max_ngram, min_ngram)
+    index.sync(seq)
+    return index.lookup(k)
 
 
 class PromptLookupDrafter(Drafter):
@@ -34,6 +73,16 @@ class PromptLookupDrafter(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram=} {max_ngram=}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.reset()
+
+    def reset(self) -> None:
+        self.index = NgramIndex(self.max_ngram, self.min_ngram)
+        self.verified = 0  # leading tokens of the index known to be this call's verified sequence
 
     def propose(self, seq, k, config: GenerationConfig, generator) -> Draft:
-        return Draft(lookup(seq, k, self.max_ngram, self.min_ngram))
+        self.index.sync(seq, min(self.verified, len(self.index.seq)))
+        return Draft(self.index.lookup(k))
+
+    def feedback(self, seq, n_accepted, n_drafted) -> None:
+        index = self.index
+        self.verified = common_prefix_len(index.seq, seq, min(self.verified, len(index.seq)))

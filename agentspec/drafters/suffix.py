@@ -39,8 +39,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.kv import common_prefix_len
@@ -49,6 +47,9 @@ MAX_DEPTH = 32  # longest match considered (tree depth)
 FACTOR, OFFSET = 1.0, 0.0  # draft at most FACTOR * match length + OFFSET tokens (vLLM's defaults)
 FLOOR = 0.1  # candidates whose estimated probability falls below this are cut (vLLM's default)
 STORE_TOKENS = 1 << 16  # output tokens the global tree keeps per pair
+# occurrences of the context's last token a speculation starts from (the latest): bounds a pass's
+# work whatever the context's length (a common token occurs thousands of times in a long context)
+MAX_MATCHES = 512
 
 
 @dataclass
@@ -116,13 +117,17 @@ class SuffixIndex:
         factor: float = FACTOR,
         offset: float = OFFSET,
         floor: float = FLOOR,
+        max_matches: int = MAX_MATCHES,
     ) -> Candidate:
-        """The best-scoring continuation of ``context`` over every match length (module docstring)."""
+        """The best-scoring continuation of ``context`` over every match length (module docstring),
+        from the latest ``max_matches`` occurrences of its last token."""
         best = Candidate()
         if k <= 0 or not context:
             return best
         seqs = self.seqs
-        ends = [(s, p + 1) for s, p in self.where.get(context[-1], ()) if s in seqs]  # matched [p+1-m, p+1)
+        # the latest MAX_MATCHES occurrences of the last token: a bounded scan, whatever the context
+        latest = self.where.get(context[-1], [])[-max_matches:]
+        ends = [(s, p + 1) for s, p in latest if s in seqs]  # matched [p+1-m, p+1)
         m = 1
         while ends:
             if not any(e < len(seqs[s]) for s, e in ends):
@@ -226,10 +231,12 @@ class SuffixDrafter(Drafter):
         self._prompt_len: int | None = None
         self._sid: int | None = None  # this request's output in the store
         self._saved = 0  # output tokens already in the store
+        self._verified = 0  # leading tokens of the request's sequence known to be verified
 
     def _sync(self, seq: list[int]) -> None:
+        """Make the request's sequence ``seq``, comparing only past the tokens known verified."""
         mine = self.local.seqs.get(0, [])
-        n = len(mine) if seq[: len(mine)] == mine else common_prefix_len(mine, seq)
+        n = common_prefix_len(mine, seq, min(self._verified, len(mine)))
         if n < len(mine):
             self.local.truncate(0, n)
         self.local.extend(0, seq[n:])
@@ -246,13 +253,15 @@ class SuffixDrafter(Drafter):
                 best = other
         return best
 
-    def propose(self, seq, k, config: GenerationConfig, generator: torch.Generator | None) -> Draft:
+    def propose(self, seq, k, config: GenerationConfig, generator) -> Draft:
         return Draft(self.candidate(seq, k, use_store=config.greedy).tokens)
 
     def record(self, seq: list[int]) -> None:
         """Add the verified output past what the store has of this request."""
         if self._prompt_len is None:
             return
+        mine = self.local.seqs.get(0, [])
+        self._verified = common_prefix_len(mine, seq, min(self._verified, len(mine)))
         new = seq[self._prompt_len + self._saved :]
         if new:
             if self._sid is None:
