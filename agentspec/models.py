@@ -211,7 +211,8 @@ class ModelPair:
     # drafters that keep failing sit out a cool-down of calls (agentspec.drafters.health)
     draft_health: DraftHealth = field(default_factory=DraftHealth, repr=False, compare=False)
     # what drafting learned from earlier calls (outputs, calibrations, costs), one per namespace key
-    draft_memory: DraftMemories = field(default_factory=DraftMemories, repr=False, compare=False)
+    # (built with the pair: its cost priors are those of the target's device kind)
+    draft_memory: DraftMemories = field(init=False, repr=False, compare=False)
     # what the target's passes cost here, for telemetry's latency-saved estimate (agentspec.telemetry)
     latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
 
@@ -227,6 +228,7 @@ class ModelPair:
 
     def __post_init__(self) -> None:
         self.weight_first = WeightFirst(*(m for m in (self.target, self.draft) if m is not None))
+        self.draft_memory = DraftMemories(self.device)
 
     @property
     def device(self) -> torch.device:

@@ -70,6 +70,11 @@ class DraftMemory:
     model_calibration: Calibration = field(default_factory=Calibration)
     cost: VerifyCost = field(default_factory=VerifyCost)
 
+    @classmethod
+    def for_device(cls, device: torch.device | str | None) -> DraftMemory:
+        """An empty memory whose cost model starts from ``device``'s priors (``VerifyCost.for_device``)."""
+        return cls(cost=VerifyCost.for_device(device))
+
 
 class DraftMemories:
     """A pair's drafting memories, one per namespace key (``None``: the default, shared by every call
@@ -81,7 +86,8 @@ class DraftMemories:
     one loaded pair to every chat model of the same models), and with it the default namespace.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = device  # the pair's: each memory's cost priors are its kind's
         self._lock = threading.Lock()
         self._memories: dict[str | None, DraftMemory] = {}
 
@@ -89,7 +95,7 @@ class DraftMemories:
         with self._lock:
             memory = self._memories.get(namespace)
             if memory is None:
-                memory = self._memories[namespace] = DraftMemory()
+                memory = self._memories[namespace] = DraftMemory.for_device(self.device)
             return memory
 
 
@@ -120,7 +126,8 @@ class HybridDrafter(Drafter):
         self.suffix = suffix
         self.model = model
         self.uses_target_hidden = model is not None and model.uses_target_hidden
-        self.timer = PassTimer()
+        # with a draft model, on its device's clock; a model-free pass ends in its one host read anyway
+        self.timer = PassTimer(model.device if model is not None else None)
         self._begin_call()
 
     def _begin_call(self) -> None:

@@ -21,8 +21,6 @@ draw (not the token), so the generator's calls (and a seeded output) are the sam
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -65,7 +63,8 @@ class ModelDrafter(Drafter):
         self.schedule = schedule  # None: always draft k tokens
         if schedule is not None:
             self.draft_cap = 16
-        self.timer = PassTimer()  # times verify passes for the schedule's cost model
+        self.device = model.device  # where it drafts
+        self.timer = PassTimer(self.device)  # times passes and draft steps for the schedule's cost model
         self.verified = 0  # leading ids of the state known to match this call's verified sequence
         self._fed_at: int | None = None  # position of the last draft's first token, fed unread
         if name is not None:
@@ -108,12 +107,12 @@ class ModelDrafter(Drafter):
 
     def _logits(self, new: list[int] | PassIds) -> torch.Tensor | None:
         """The next token's logits [V] after feeding ``new`` (None: an EAGLE head had no feature)."""
-        t0 = time.perf_counter()
+        start = self.timer.clock.mark()  # on the device's clock: the step is queued, not waited for
         rows = self.state.forward(new, keep=1)
         if not len(rows):
             return None
         if self.schedule is not None and len(new) == 1:
-            self.schedule.cost.observe_draft(time.perf_counter() - t0)
+            self.timer.draft_step(self.schedule.cost, start)
         return fit_vocab(rows[-1], self.vocab_size)  # [V]
 
     def _draft_on_device(self, pending: list[int], k: int, config: GenerationConfig, generator) -> Draft:

@@ -59,3 +59,12 @@ def test_timings_wait_for_the_device_and_keep_their_order():
     timer.proposed()
     timer.verified(cost, 1)
     assert sorted(cost.times) == [2, 3] and len(cost.draft_times) == 1
+
+
+def test_a_pairs_drafting_memories_start_from_its_device_priors(target, tokenizer):
+    from agentspec.drafters.hybrid import DraftMemories
+    from agentspec.models import ModelPair
+
+    assert DraftMemories(torch.device("cuda")).get("tenant").cost.prior == CUDA_VERIFY_COST
+    pair = ModelPair(target, tokenizer)
+    assert pair.draft_memory.get().cost.prior == DEFAULT_VERIFY_COST  # the tiny target is on the CPU
