@@ -234,13 +234,14 @@ class ModelState:
         assert len(new), "forward needs at least one new token"
         assert not (self.unread and new.host), "host ids cannot follow unread positions: settle first"
         x = new.tensor(self.model.device)
+        held = len(self.ids) + self.unread
         try:
             with ExitStack() as stack:
                 stack.enter_context(few_rows_pass(len(new)))
                 captured = stack.enter_context(final_hidden(self.model)) if hidden else None
                 out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
         except BaseException:
-            self.reset()  # a failed pass may have updated some layers only: start clean
+            self._roll_back(held)
             raise
         self.ids.extend(new.host)
         self.unread += len(new) - len(new.host)
@@ -248,6 +249,19 @@ class ModelState:
         if captured is not None:
             return out.logits[0, -keep:], captured[-1][0, -len(new) :]
         return out.logits[0, -keep:]
+
+    def _roll_back(self, held: int) -> None:
+        """Undo a failed pass, which may have extended some layers only: each layer is cropped back to
+        the ``held`` positions it had, so a retry feeds only that pass's tokens again (on an
+        out-of-memory error, ``agentspec.memory``). A cache that cannot be cropped starts clean."""
+        try:
+            for layer in self.cache.layers:
+                extra = layer.get_seq_length() - held  # the tensor's shape: no read of its values
+                if extra > 0:
+                    layer.crop(-extra)  # transformers 5.x: a negative count removes that many
+            self.check()
+        except Exception:
+            self.reset()
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)

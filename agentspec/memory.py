@@ -54,10 +54,11 @@ def forward_retrying(
     ``release_cached_memory()``.
 
     The pass itself is a plain call: the retry machinery is built only once a pass has failed. A
-    failed pass resets the state (``ModelState.forward``), so a retry feeds again the tokens it
-    covered before: the same sequence, recomputed.
+    failed pass is rolled back to the state before it (``ModelState.forward``), so a retry feeds
+    that pass's tokens only; were the state reset instead (a cache that cannot be cropped), the
+    retry feeds the tokens it covered before too: the same sequence, recomputed.
     """
-    covered = state.ids  # no copy per pass: a failed pass gives the state a new list, this one stays
+    covered = state.ids  # no copy per pass: a reset gives the state a new list, this one stays
     try:
         return state.forward(new_ids, keep, hidden)
     except Exception as exc:

@@ -31,20 +31,11 @@ import torch
 from transformers import Cache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from agentspec.kv import common_prefix_len, few_rows_pass, final_hidden
+from agentspec.kv import PassIds, common_prefix_len, few_rows_pass, final_hidden
 
 MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many tokens
 
 Segments = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, n, D]
-
-
-def ids_on(device: torch.device, ids: list[int]) -> torch.Tensor:
-    """``ids`` as a [1, n] tensor on ``device``; to a GPU from pinned memory, without waiting for it."""
-    host = torch.tensor([ids], dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    # the caching host allocator keeps the pinned block until the copy has run
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class CapacityError(ValueError):
@@ -104,11 +95,12 @@ class StaticState:
         self._step = None  # the compiled forward, built on its first use
         self.length = 0  # positions held: the cache's length, kept on the host
         self.ids: list[int] = []
+        self.unread = 0  # held positions after ``ids`` fed from the device (``ModelState.unread``)
 
     def check(self) -> None:
         n = self.length
-        assert n == len(self.ids) <= self.capacity, (
-            f"KV cache out of step: {n=} {len(self.ids)=} {self.capacity=}"
+        assert n == len(self.ids) + self.unread <= self.capacity, (
+            f"KV cache out of step: {n=} {len(self.ids)=} {self.unread=} {self.capacity=}"
         )
 
     @torch.inference_mode()  # the buffers are inference tensors once a pass has made them
@@ -126,16 +118,28 @@ class StaticState:
             layer.rows, layer.length = rows, length
 
     def truncate(self, length: int) -> None:
-        """Keep the first ``length`` cached tokens (roll back the rest)."""
+        """Keep the first ``length`` cached tokens of ``ids`` (roll back the rest, unread ones too)."""
+        length = min(length, len(self.ids))
         if length < self.length:
             self._set_length(length)
             del self.ids[length:]
+            self.unread = 0
         self.check()
 
-    def sync(self, seq: list[int]) -> list[int]:
-        """Roll back to the longest common prefix with ``seq``; return the ids still to feed."""
-        self.truncate(common_prefix_len(self.ids, seq))
-        return seq[len(self.ids) :]
+    def settle(self, ids: list[int]) -> None:
+        """The first unread positions hold ``ids`` (``ModelState.settle``); the rest are rolled back."""
+        assert len(ids) <= self.unread, f"{len(ids)=} {self.unread=}"
+        self._set_length(self.length - (self.unread - len(ids)))
+        self.ids.extend(ids)
+        self.unread = 0
+        self.check()
+
+    def sync(self, seq: list[int], start: int = 0, end: int | None = None) -> list[int]:
+        """Roll back to the longest common prefix with ``seq[:end]``; return the ids still to feed
+        (``start``: leading ids known to agree, as for ``ModelState.sync``)."""
+        end = len(seq) if end is None else end
+        self.truncate(min(common_prefix_len(self.ids, seq, start), end))
+        return seq[len(self.ids) : end]
 
     @torch.inference_mode()
     def load(self, segments: Segments, ids: list[int]) -> None:
@@ -156,6 +160,7 @@ class StaticState:
             layer.values[:, :, :n].copy_(v)
         self._set_length(n)
         self.ids = list(ids)
+        self.unread = 0
         self.check()
 
     def _fits(self, n: int, start: int) -> None:
@@ -166,22 +171,26 @@ class StaticState:
             )
 
     @torch.inference_mode()
-    def forward(self, new_ids: list[int], keep: int, hidden: bool = False):
+    def forward(self, new_ids: list[int] | PassIds, keep: int, hidden: bool = False):
         """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
 
         With ``hidden``, return (logits, the final norm's output for ``new_ids`` [len(new_ids), H]).
         A compiled state runs feeds of up to ``width`` tokens without ``hidden`` through the compiled
         pass (padded to ``width``; the padded rows are rolled back).
         """
-        assert new_ids, "forward needs at least one new token"
-        n, start = len(new_ids), self.length
+        new = new_ids if isinstance(new_ids, PassIds) else PassIds(new_ids)
+        assert len(new), "forward needs at least one new token"
+        assert not (self.unread and new.host), "host ids cannot follow unread positions: settle first"
+        n, start = len(new), self.length
         # near the capacity, a feed that fits only unpadded runs eager
         fixed = self.compiled and n <= self.width and not hidden and start + self.width <= self.capacity
-        fed = new_ids + new_ids[-1:] * (self.width - n) if fixed else new_ids  # any id pads: none is read
-        self._fits(len(fed), start)
+        width = self.width if fixed else n
+        self._fits(width, start)
         device = self.model.device
-        x = ids_on(device, fed)
-        positions = torch.arange(start, start + len(fed), device=device)[None]  # [1, len(fed)]
+        x = new.tensor(device)
+        if width > n:  # any id pads: no real row reads a padded one
+            x = torch.cat([x, x[:, -1:].expand(1, width - n)], dim=1)
+        positions = torch.arange(start, start + width, device=device)[None]  # [1, width]
         if fixed:
             self._place(self.capacity, None)
         else:
@@ -192,14 +201,15 @@ class StaticState:
             else:
                 logits, captured = self._eager(x, positions, keep, hidden)
         except BaseException:
-            self.reset()  # a failed pass may have updated some layers only: start clean
+            self._set_length(start)  # the rows a failed pass wrote lie past the length: rolled back
             raise
-        if len(fed) > n:
+        if width > n:
             self._set_length(start + n)  # the padded rows: rolled back like a rejected draft
         else:
             self.length = start + n  # each layer's cumulative_length advanced on the device already
         self._place(self.capacity, self.length)
-        self.ids.extend(new_ids)
+        self.ids.extend(new.host)
+        self.unread += n - len(new.host)
         self.check()
         if captured is not None:
             return logits[-keep:], captured[-1][0, -n:]
@@ -226,3 +236,4 @@ class StaticState:
         """Hold nothing; the buffers (and a compiled step's graph over them) are kept for reuse."""
         self._set_length(0)
         self.ids = []
+        self.unread = 0

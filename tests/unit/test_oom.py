@@ -65,7 +65,7 @@ def test_forward_retrying_recomputes_the_same_logits(monkeypatch, target):
     calls = faulty(monkeypatch, target, {0})
     freed = []
     got = forward_retrying(state, [9, 11], 2, free=lambda: freed.append(1))
-    assert calls == [2, 6]  # the failed pass, then the whole sequence again (the state was reset)
+    assert calls == [2, 2]  # the failed pass, then that pass again (the state was rolled back to before it)
     assert freed == [1]
     assert state.ids == [3, 17, 5, 42, 9, 11]
     torch.testing.assert_close(got, want)
@@ -141,9 +141,12 @@ def test_a_persistent_oom_raises_and_the_next_call_is_correct(monkeypatch, targe
     want = agentspec.generate(pair, PROMPT, **opts).token_ids
     real = target.forward
     faulty(monkeypatch, target, set(range(2, 100)))
+    clear, cleared = pair.prefix_cache.clear, []
+    monkeypatch.setattr(pair.prefix_cache, "clear", lambda: (cleared.append(1), clear()))
     with pytest.raises(DeviceOutOfMemory):
         agentspec.generate(pair, PROMPT + [42], **opts)
-    assert pair.prefix_cache.bytes_used == 0  # freed before the retries
+    assert len(cleared) == memory.OOM_ATTEMPTS - 1  # freed before each retry
+    # what the call verified before the failing pass was rolled back to, saved: a whole tree
     pair.prefix_cache.tree.check()
     monkeypatch.setattr(target, "forward", real)
     assert pair.lock.acquire(blocking=False)
