@@ -228,7 +228,8 @@ class ModelPair:
 
     def __post_init__(self) -> None:
         self.weight_first = WeightFirst(*(m for m in (self.target, self.draft) if m is not None))
-        self.draft_memory = DraftMemories(self.device)
+        # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
+        self.draft_memory = DraftMemories(self.device if self.target is not None else None)
 
     @property
     def device(self) -> torch.device:
