@@ -67,7 +67,9 @@ _FEW_ROWS_PASS: ContextVar[bool] = ContextVar("agentspec_few_rows_pass", default
 def _pass_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward``, except inside an agentspec pass of a few rows on a CPU float32 weight."""
     w = linear.weight
-    if _FEW_ROWS_PASS.get() and w.device.type == "cpu" and w.dtype in WEIGHT_FIRST_DTYPES:
+    # a compiled step (``agentspec.static_kv``) keeps F.linear: a ContextVar read breaks its graph
+    few = not torch.compiler.is_compiling() and _FEW_ROWS_PASS.get()
+    if few and w.device.type == "cpu" and w.dtype in WEIGHT_FIRST_DTYPES:
         return _weight_first(linear, x)
     return torch.nn.functional.linear(x, w, linear.bias)
 
