@@ -252,6 +252,11 @@ class ModelState:
             return out.logits[0, -keep:], captured[-1][0, -len(new) :]
         return out.logits[0, -keep:]
 
+    def take(self, state: ModelState) -> ModelState:
+        """The state to continue from after a prefix-cache restore gave ``state``: that one itself
+        (a preallocated ``StaticState`` copies it into its own buffers instead)."""
+        return state
+
     def _roll_back(self, held: int) -> None:
         """Undo a failed pass, which may have extended some layers only: each layer is cropped back to
         the ``held`` positions it had, so a retry feeds only that pass's tokens again (on an

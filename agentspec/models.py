@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from agentspec.attention import use_grouped_sdpa
+from agentspec.drafters.eagle import is_eagle
 from agentspec.drafters.health import DraftHealth
 from agentspec.drafters.hybrid import DraftMemories
 from agentspec.grammar import GrammarCompiler
@@ -188,6 +189,9 @@ def check_tokenizers(target_tok, draft_tok) -> None:
             )
 
 
+DRAFT_CACHES = ("dynamic", "static", "compiled")
+
+
 @dataclass
 class ModelPair:
     """A loaded target, an optional draft model of the same tokenizer, and that tokenizer.
@@ -206,6 +210,10 @@ class ModelPair:
     key: tuple = field(default_factory=tuple)
     # the cross-call KV cache shared by every call of this pair (None: no reuse)
     prefix_cache: Any = None
+    # the draft model's KV cache: "dynamic" (transformers' DynamicCache, grown per pass), "static"
+    # (one preallocated StaticState for the pair's calls, rolled back by its length) or "compiled"
+    # (that, with its one-token step under torch.compile's CUDA graphs); see agentspec.static_kv
+    draft_cache: str = "dynamic"
     # serialises model access: one call decodes at a time per loaded pair
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     # drafters that keep failing sit out a cool-down of calls (agentspec.drafters.health)
@@ -222,6 +230,8 @@ class ModelPair:
     weight_first: WeightFirst = field(init=False, repr=False, compare=False)
     # the tokenizer's grammar compiler, built on first use (``grammar_compiler``)
     _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False, compare=False)
+    # the draft model's StaticState for a static draft cache (``draft_state``), built on first use
+    _draft_state: Any = field(default=None, init=False, repr=False, compare=False)
     _grammar_lock: threading.RLock = field(
         default_factory=threading.RLock, init=False, repr=False, compare=False
     )
@@ -230,6 +240,20 @@ class ModelPair:
         self.weight_first = WeightFirst(*(m for m in (self.target, self.draft) if m is not None))
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.draft_memory = DraftMemories(self.device if self.target is not None else None)
+        if self.draft_cache not in DRAFT_CACHES:
+            raise ValueError(f"draft_cache: expected one of {DRAFT_CACHES}, got {self.draft_cache!r}")
+
+    def draft_state(self):
+        """The draft model's state for a call: None for a dynamic cache (each drafter makes its own
+        ``ModelState``), else the pair's one ``StaticState``, built on first use and reused by every
+        call (they hold ``lock`` in turn), so its buffers and compiled graph are made once."""
+        if self.draft_cache == "dynamic" or self.draft is None or is_eagle(self.draft):
+            return None  # an EAGLE head keeps the features it drafts from: its own state
+        if self._draft_state is None:
+            from agentspec.static_kv import StaticState
+
+            self._draft_state = StaticState(self.draft, compiled=self.draft_cache == "compiled")
+        return self._draft_state
 
     @property
     def device(self) -> torch.device:
@@ -329,6 +353,7 @@ def load_pair(
     dtype: Any = None,
     prefix_cache_bytes: int | None = None,
     prefix_cache_host_bytes: int | None = None,
+    draft_cache: str = "dynamic",
 ) -> ModelPair:
     """Load a target model and an optional draft model that shares its tokenizer.
 
@@ -341,7 +366,8 @@ def load_pair(
     when available, else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU.
     ``prefix_cache_bytes`` is the device byte budget of the pair's cross-call prefix cache (default:
     ``agentspec.cache.default_budget``), ``prefix_cache_host_bytes`` that of its host tier (default:
-    ``agentspec.cache.default_host_budget``: none on a CPU).
+    ``agentspec.cache.default_host_budget``: none on a CPU). ``draft_cache`` is the draft model's
+    KV cache (``ModelPair.draft_cache``): "dynamic", "static" or "compiled".
     """
     dev = torch.device(device) if device is not None else default_device()
     dt = _resolve_dtype(dtype, dev)
@@ -374,4 +400,5 @@ def load_pair(
         draft_name=draft_name,
         key=key,
         prefix_cache=cache,
+        draft_cache=draft_cache,
     )

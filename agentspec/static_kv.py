@@ -163,6 +163,15 @@ class StaticState:
         self.unread = 0
         self.check()
 
+    def take(self, state) -> StaticState:
+        """This state, now holding what ``state`` (a restored ``ModelState``) holds: copied into the
+        buffers, so the buffers and a compiled step over them stay the ones in use."""
+        if not state.ids:
+            self.reset()
+        else:
+            self.load([(layer.keys, layer.values) for layer in state.cache.layers], state.ids)
+        return self
+
     def _fits(self, n: int, start: int) -> None:
         if start + n > self.capacity:
             raise CapacityError(

@@ -59,7 +59,8 @@ def _free_ram() -> int:
 def _supports_reuse(cache: DynamicCache) -> bool:
     # sliding-window and linear-attention layers do not keep every position: no prefix reuse
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+    # a static draft's layers (agentspec.static_kv.RowsLayer) hold every position too
+    return bool(layers) and all(type(layer).__name__ in ("DynamicLayer", "RowsLayer") for layer in layers)
 
 
 def _segments(state: ModelState, length: int) -> Segments:

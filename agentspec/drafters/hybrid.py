@@ -228,13 +228,13 @@ def build_drafter(pair, name: str, memory: DraftMemory | None = None) -> Drafter
         model = None
         if pair.draft is not None:
             schedule = ConfidenceSchedule(memory.model_calibration, memory.cost)
-            model = ModelDrafter(pair.draft, vocab, schedule, name="model_scheduled")
+            model = ModelDrafter(pair.draft, vocab, schedule, "model_scheduled", pair.draft_state())
         return HybridDrafter(memory, model=model)
     if name in ("model", "model_scheduled"):
         if pair.draft is None:
             raise ValueError(f"drafter={name!r} needs a pair loaded with a draft_model")
         if name == "model":
-            return ModelDrafter(pair.draft, vocab_size=vocab)
+            return ModelDrafter(pair.draft, vocab_size=vocab, state=pair.draft_state())
         schedule = ConfidenceSchedule(memory.model_calibration, memory.cost)
-        return ModelDrafter(pair.draft, vocab, schedule, name="model_scheduled")
+        return ModelDrafter(pair.draft, vocab, schedule, "model_scheduled", pair.draft_state())
     raise ValueError(f"drafter: unknown name {name!r}")

@@ -31,6 +31,7 @@ from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
 from agentspec.grammar import Constraint, apply_bitmask
 from agentspec.kv import ModelState, PassIds, common_prefix_len
 from agentspec.sampling import probabilities
+from agentspec.static_kv import StaticState
 
 CATCH_UP = 32  # the most verified tokens the draft is fed at the end of a call (see ``keep_up``)
 DEVICE_BLOCK = 2  # scheduled greedy drafts: tokens drafted on the device between reads of confidences
@@ -54,11 +55,18 @@ class ModelDrafter(Drafter):
     masks_own_draft = True
 
     def __init__(
-        self, model, vocab_size: int, schedule: ConfidenceSchedule | None = None, name: str | None = None
+        self,
+        model,
+        vocab_size: int,
+        schedule: ConfidenceSchedule | None = None,
+        name: str | None = None,
+        state: StaticState | None = None,
     ):
         # an EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_hidden``
         self.uses_target_hidden = is_eagle(model)
-        self.state = EagleState(model) if self.uses_target_hidden else ModelState(model)
+        if state is None:  # ``state``: a preallocated one to draft in (``ModelPair.draft_state``)
+            state = EagleState(model) if self.uses_target_hidden else ModelState(model)
+        self.state = state
         self.vocab_size = vocab_size  # the target's logits width
         self.schedule = schedule  # None: always draft k tokens
         if schedule is not None:
@@ -220,7 +228,7 @@ class ModelDrafter(Drafter):
         return None if self.uses_target_hidden else self.state
 
     def adopt_kv_state(self, state: ModelState) -> None:
-        self.state = state
+        self.state = self.state.take(state)  # a static state copies it into its buffers
         self.verified = 0  # compared in full once, at the next sync
 
     @property

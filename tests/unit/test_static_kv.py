@@ -173,6 +173,39 @@ def test_greedy_decoding_with_a_static_draft_state_is_unchanged(pair, hf_greedy)
         assert type(drafter.state) is StaticState and drafter.state.length > 0
 
 
+@pytest.mark.parametrize("drafter", ["model", "model_scheduled", "auto"])
+def test_a_pair_with_a_static_draft_cache_reuses_it_across_cached_calls(
+    target, draft, tokenizer, hf_greedy, monkeypatch, drafter
+):
+    """``draft_cache="static"``: every call drafts in the pair's one StaticState, and a prefix-cache
+    restore copies the draft's cached prefix into its buffers (cross-call reuse survives)."""
+    from agentspec.cache import PrefixCache
+
+    pair = ModelPair(
+        target,
+        tokenizer,
+        draft=draft,
+        name="tiny-static",
+        prefix_cache=PrefixCache(1 << 26),
+        draft_cache="static",
+    )
+    state = pair.draft_state()
+    assert type(state) is StaticState and pair.draft_state() is state
+    loaded = []
+    load = state.load
+    monkeypatch.setattr(state, "load", lambda segs, ids: (loaded.append(len(ids)), load(segs, ids)))
+    prompt = [5, 9, 11, 40, 2, 7, 7, 3]
+    first = agentspec.generate(pair, prompt, drafter=drafter, max_new_tokens=16)
+    assert first.token_ids == hf_greedy(target, prompt, 16)
+    follow = prompt + first.token_ids + [4, 6]
+    second = agentspec.generate(pair, follow, drafter=drafter, max_new_tokens=16)
+    assert second.token_ids == hf_greedy(target, follow, 16)
+    assert second.stats.cached_tokens > len(prompt)  # the target restored the first call's state
+    assert loaded and loaded[-1] > len(prompt)  # and so did the static draft, into its buffers
+    with pytest.raises(ValueError, match="draft_cache"):
+        ModelPair(target, tokenizer, draft=draft, draft_cache="paged")
+
+
 def test_the_compiled_step_matches_the_eager_one(hf_greedy, pair):
     """Compiling takes seconds on a tiny model (minutes per shape for a real one on a CPU).
 
