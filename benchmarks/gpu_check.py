@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import statistics
@@ -62,6 +63,7 @@ from agentspec.drafters import DraftMemory, build_drafter  # noqa: E402
 from agentspec.kv import ModelState  # noqa: E402
 
 DRAFTERS = ("none", "prompt_lookup", "suffix", "model", "model_scheduled", "auto")
+STATIC_DRAFTERS = ("model", "auto")  # also run with the pair's static draft cache (draft_cache="static")
 ACCEPTANCES = (0.6, 0.8, 0.95)
 VERIFY_SIZES = (1, 2, 3, 4, 5, 8, 16)
 EOS = 0  # the built tokenizer's "<eos>"; its LM-head row is zeroed, so outputs run to full length
@@ -385,6 +387,11 @@ def phase_identity(plan: Plan) -> dict[str, Any]:
             for cached in (False, True):
                 key = f"{name} {'cached' if cached else 'uncached'}"
                 rows[key] = identity_row(pair, calls, name, cached, plan.new_tokens, reference_model)
+        static = dataclasses.replace(pair, draft_cache="static")  # the draft in one preallocated state
+        for name in STATIC_DRAFTERS:
+            for cached in (False, True):
+                key = f"{name} static draft {'cached' if cached else 'uncached'}"
+                rows[key] = identity_row(static, calls, name, cached, plan.new_tokens, reference_model)
         out[str(dtype).removeprefix("torch.")] = {
             "identical": all(r["identical"] for r in rows.values()),
             "rows": rows,
