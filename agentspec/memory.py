@@ -101,12 +101,16 @@ def forward_retrying(
             raise
         failure = exc
     release_cached_memory()
-    raise DeviceOutOfMemory(
-        f"out of memory on {state.model.device} in a pass over {len(covered) + len(new_ids)} "
-        f"tokens, {OOM_ATTEMPTS} attempts, the prefix cache freed before each retry: use a shorter "
-        f"prompt, fewer max_tokens, a smaller dtype or draft, or a smaller prefix-cache budget "
+    raise _gave_up(state, len(covered) + len(new_ids), failure) from failure
+
+
+def _gave_up(state: ModelState, tokens: int, failure: BaseException) -> DeviceOutOfMemory:
+    return DeviceOutOfMemory(
+        f"out of memory on {state.model.device} in a pass over {tokens} tokens, {OOM_ATTEMPTS} "
+        f"attempts, the prefix cache freed before each retry: use a shorter prompt, fewer "
+        f"max_tokens, a smaller dtype or draft, or a smaller prefix-cache budget "
         f"({type(failure).__name__}: {str(failure)[:200]})"
-    ) from failure
+    )
 
 
 def _without_frames(exc: BaseException) -> BaseException:
