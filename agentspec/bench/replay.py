@@ -3,9 +3,9 @@
 ``ReplayDrafter`` proposes the reference tokens (a plain greedy run's) with each position
 corrupted, independently with probability ``1 - acceptance`` (seeded), so every system measured
 with it sees the same acceptance whatever its weights are. It pays what a model drafter pays on
-the device: one forward of a real draft model per draft token, its KV cache kept in step with the
-verified sequence. It reads none of those logits back and sends its ids from pinned memory
-without blocking (on CUDA), so it costs no host sync: the cost of a draft kept on the device.
+the device: one forward of a real draft model per draft token, its KV state (``ModelState``, whose
+ids go to a GPU from pinned memory without blocking) kept in step with the verified sequence. It
+reads none of those logits back, so it costs no host sync: the cost of a draft kept on the device.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import DynamicCache
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.kv import common_prefix_len
+from agentspec.kv import ModelState
 
 
 def corrupted_positions(n: int, acceptance: float, seed: int) -> list[bool]:
@@ -41,31 +40,12 @@ class ReplayDrafter(Drafter):
     name = "replay"
 
     def __init__(self, draft_model, reference: list[int], acceptance: float, seed: int, k: int, width: int):
-        self.model = draft_model
-        self.cache = DynamicCache(config=draft_model.config)
-        self.ids: list[int] = []  # the ids whose keys and values ``cache`` holds
+        self.state = ModelState(draft_model)
         self.reference = reference
         self.acceptance = acceptance
         self.wrong = corrupted_positions(len(reference), acceptance, seed)
         self.draft_cap = k
         self.width = width  # the draft's vocabulary: a wrong token is another id below it
-
-    def _step(self, ids: list[int]) -> None:
-        """One draft forward over ``ids`` after the cached ones (its logits are not read)."""
-        x = torch.tensor([ids], dtype=torch.long)
-        if self.model.device.type == "cuda":  # pinned memory: a copy that does not wait for the queue
-            x = x.pin_memory().to(self.model.device, non_blocking=True)
-        with torch.inference_mode():
-            self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1)
-        self.ids += ids
-
-    def _sync(self, seq: list[int]) -> list[int]:
-        """Roll the cache back to its longest common prefix with ``seq``; return the ids to feed."""
-        keep = common_prefix_len(self.ids, seq)
-        if len(self.ids) > keep:
-            self.cache.crop(keep - len(self.ids))  # transformers 5.x: a negative count removes that many
-            del self.ids[keep:]
-        return seq[keep:]
 
     def _token(self, position: int) -> int | None:
         if position >= len(self.reference):
@@ -81,19 +61,16 @@ class ReplayDrafter(Drafter):
         generator: torch.Generator | None,
         constraint=None,
     ) -> Draft:
-        pending = self._sync(seq)
-        if not pending:  # the cache holds all of seq: step again from its last token
-            pending = self._sync(seq[:-1]) + seq[-1:]
+        pending = self.state.sync(seq[:-1]) + seq[-1:]  # as the model drafter: the last id is fed
         tokens: list[int] = []
         for j in range(k):
             token = self._token(len(seq) + j)
             if token is None:
                 break
-            self._step(pending)  # the step whose logits would give this token
+            self.state.forward(pending, keep=1)  # the step whose logits would give this token
             tokens.append(token)
             pending = [token]
         return Draft(tokens)
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self.ids = []
+        self.state.reset()

@@ -38,5 +38,5 @@ def test_replay_output_is_the_reference_and_passes_match_the_corruption(pair, hf
         assert s.accepted == expected, f"{pos=} {s.drafted=} {s.accepted=} {expected=}"
         pos += len(s.tokens)
     # its draft model's cache is in step with its ids, and they follow the verified sequence
-    assert drafter.cache.get_seq_length() == len(drafter.ids)
-    assert common_prefix_len(drafter.ids, prompt + ref) >= len(prompt) + n // 2
+    assert drafter.state.cache.get_seq_length() == len(drafter.state.ids)
+    assert common_prefix_len(drafter.state.ids, prompt + ref) >= len(prompt) + n // 2
