@@ -348,8 +348,9 @@ def _guard(d: torch.Tensor, q: torch.Tensor | None, vocab: int, on_device: bool)
     if q is not None:
         ok = (torch.isfinite(q) & (q >= 0)).all(dim=-1)  # [k]
         flags.append(~ok.all())
-        one_hot = torch.zeros_like(q).scatter_(1, d.to(q.device)[:, None], 1.0)  # [k, V]
-        q = torch.where(ok[:, None], q, one_hot)
+        q = torch.where(ok[:, None], q, 0.0)  # [k, V]: one new tensor per pass, a bad row zeroed
+        at = d.to(q.device)[:, None]
+        q.scatter_(1, at, torch.where(ok[:, None], q.gather(1, at), 1.0))  # ... and one-hot at its token
     return d, q, torch.stack(flags).any() if flags else None
 
 
