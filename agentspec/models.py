@@ -33,6 +33,7 @@ from agentspec.drafters.health import DraftHealth
 from agentspec.drafters.hybrid import DraftMemories
 from agentspec.grammar import GrammarCompiler
 from agentspec.kv import WeightFirst
+from agentspec.static_kv import StaticState
 from agentspec.telemetry.latency import LatencyModel
 
 log = logging.getLogger(__name__)
@@ -250,8 +251,6 @@ class ModelPair:
         if self.draft_cache == "dynamic" or self.draft is None or is_eagle(self.draft):
             return None  # an EAGLE head keeps the features it drafts from: its own state
         if self._draft_state is None:
-            from agentspec.static_kv import StaticState
-
             self._draft_state = StaticState(self.draft, compiled=self.draft_cache == "compiled")
         return self._draft_state
 
