@@ -128,7 +128,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from agentspec import load_pair
-    from agentspec.telemetry import calibrate
+    from agentspec.cost import calibrate
 
     if args.threads:
         torch.set_num_threads(args.threads)

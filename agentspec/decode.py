@@ -27,9 +27,11 @@ from typing import Any
 import torch
 
 from agentspec.config import GenerationConfig
+from agentspec.cost import baseline_seconds
 from agentspec.drafters import Draft, Drafter
 from agentspec.drafters.base import Adopted, DrafterLike
 from agentspec.drafters.health import DraftHealth
+from agentspec.drafters.registry import build_drafter, check_name
 from agentspec.grammar import Constraint, Grammar, apply_bitmask
 from agentspec.kv import ModelState, PassIds, to_device
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
@@ -42,7 +44,6 @@ from agentspec.verify import greedy_accept, speculative_accept
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_CAP = 4  # draft tokens per pass when neither the call nor the drafter sets a cap
-DRAFTER_NAMES = ("auto", "model", "model_scheduled", "suffix", "prompt_lookup", "none")
 
 
 class DecodeTimeout(TimeoutError):
@@ -82,25 +83,33 @@ class GenerationResult:
 def resolve_drafter(
     pair: ModelPair, drafter: Any, speculative: bool = True, namespace: str | None = None
 ) -> Drafter | None:
-    """A drafter instance from a name (``DRAFTER_NAMES``) or an instance (a ``Drafter`` subclass's).
-
-    "auto" (the default) is the hybrid of ``agentspec.drafters.hybrid``: suffix drafts, or the
-    confidence-scheduled draft model when the pair has one and it is worth more. A drafter built
-    from a name learns into the pair's drafting memory for ``namespace`` (``pair.draft_memory``).
-    """
-    if not speculative or drafter == "none":
+    """A drafter instance from a name (``agentspec.drafters.NAMES``; None: the default, "auto") or an
+    instance (a ``Drafter`` subclass's). A drafter built from a name learns into the pair's drafting
+    memory for ``namespace`` (``pair.draft_memory``)."""
+    if not speculative:
         return None
-    if drafter is None:
-        drafter = "auto"
-    if isinstance(drafter, str) and drafter in DRAFTER_NAMES:
-        from agentspec.drafters import build_drafter
-
-        return build_drafter(pair, drafter, pair.draft_memory.get(namespace))
     if isinstance(drafter, Drafter):
         return drafter
     if isinstance(drafter, DrafterLike):  # written to the earlier Protocol: name, propose, feedback, reset
         return Adopted(drafter)
-    raise ValueError(f"drafter: expected one of {DRAFTER_NAMES} or a Drafter, got {drafter!r}")
+    return build_drafter(pair, check_name(drafter), pair.draft_memory.get(namespace))
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt leaves no room in the model's context window for a reply (``context_room`` < 1)."""
+
+    def __init__(self, prompt_tokens: int, max_context: int, what: str = "prompt_ids"):
+        self.prompt_tokens, self.max_context = prompt_tokens, max_context
+        super().__init__(
+            f"{what}: the prompt has {prompt_tokens} tokens but the model's context is {max_context}; "
+            "shorten the prompt"
+        )
+
+
+def context_room(pair: ModelPair, prompt_tokens: int) -> int:
+    """The most output tokens a prompt of ``prompt_tokens`` leaves room for in the pair's context
+    window: the one place that counts it (the chat layer's fit, the prompt check and the loop's budget)."""
+    return pair.max_context - prompt_tokens
 
 
 def check_prompt(pair: ModelPair, prompt_ids: Any) -> list[int]:
@@ -126,11 +135,8 @@ def check_prompt(pair: ModelPair, prompt_ids: Any) -> list[int]:
             raise ValueError(f"prompt_ids: {i!r} is not a token id in [0, {vocab})") from None
         if not 0 <= i < vocab:
             raise ValueError(f"prompt_ids: {i!r} is not a token id in [0, {vocab})")
-    if len(ids) >= pair.max_context:
-        raise ValueError(
-            f"prompt_ids: the prompt has {len(ids)} tokens but the model's context is "
-            f"{pair.max_context}; shorten the prompt"
-        )
+    if context_room(pair, len(ids)) < 1:
+        raise ContextLengthExceeded(len(ids), pair.max_context)
     return ids
 
 
@@ -285,7 +291,7 @@ def _begin(pair, ids: list[int], config, drafter, target, grammar, free_memory, 
         text=TextTracker(pair.tokenizer, config.stop, eos),
         gen=None if config.greedy else make_generator(config.seed, pair.device),
         draft_cap=cap,
-        budget=min(config.max_new_tokens, pair.max_context - len(ids)),
+        budget=min(config.max_new_tokens, context_room(pair, len(ids))),
         start=start,
         deadline=deadline,
     )
@@ -420,7 +426,7 @@ def _one_pass(call: _Call) -> Step:
     seq, target, c, stats = call.seq, call.target, call.constraint, call.stats
     at = len(target.ids)  # position of the pass's first token
     pending = seq[at:]  # verified tokens the target has not seen: the last one at least
-    room = min(call.budget - len(call.out), call.pair.max_context - len(seq))  # tokens this pass may add
+    room = call.budget - len(call.out)  # tokens this pass may add (the budget is within the context)
     forced = c.take_forced(room) if call.jump else []  # certain: no model guess needed
     # read before any draft is pushed: a drafter may draft up to the grammar's stop token on the path
     finished = c is not None and c.terminated
@@ -454,6 +460,9 @@ def _one_pass(call: _Call) -> Step:
         stats.finish_reason = reason
         stats.total_time_s = now - call.start
     call.passes += 1
+    fed = len(pending) + len(forced) + len(tokens) if verified else 0
+    if verified:  # every timed pass teaches the pair's cost model, whoever reads it
+        call.pair.cost.observe(fed, at, now - t0)
     return Step(
         new,
         call.text.release(call.out, final=reason is not None, cut=cut),
@@ -465,7 +474,7 @@ def _one_pass(call: _Call) -> Step:
         stats,
         forced=min(len(forced), len(new)),
         target_pass=verified,
-        fed=len(pending) + len(forced) + len(tokens) if verified else 0,
+        fed=fed,
         cached=at,
         restored=stats.cached_tokens if call.passes == 1 else 0,
         started=t0,
@@ -601,10 +610,10 @@ def stream(
     names none). Outputs are the same either way.
     """
     config = _config(options)
-    drafter = "auto" if drafter is None else drafter
     d = resolve_drafter(pair, drafter, config.speculative, namespace)
     cache = _pick_cache(pair, prefix_cache)
-    key = drafter if isinstance(drafter, str) else None  # the drafter's name in pair.draft_health
+    # the drafter's name in pair.draft_health (built from a name, so its failures are the pair's)
+    key = check_name(drafter) if drafter is None or isinstance(drafter, str) else None
     deadline = _deadline(config)
     with _holding(pair.lock, config.timeout):
         ids = check_prompt(pair, prompt_ids)
@@ -681,3 +690,110 @@ def generate(
         parts.append(last.text)
     assert last is not None and last.finish_reason is not None
     return GenerationResult(ids, "".join(parts), last.finish_reason, last.stats)
+
+
+@dataclass
+class CallRecord:
+    """One call as it ended: its passes, the time inside the decoder, and the latency-saved estimate.
+
+    The one record of a call that the span, the chat model's metadata and the server's response all
+    read, so they report the same figures. ``decode_s`` is the decoder's own time: its passes and the
+    time around them (the wait for the pair's lock and the cache restore before the first, the cache
+    save after the last), not the time the caller spent between Steps. ``baseline_s`` prices the same
+    call with plain decoding and no cache on the pair's cost model (``agentspec.cost``), which the
+    loop taught from every pass of this call before the estimate was made.
+    """
+
+    steps: list[Step]  # every Step the call yielded, in order
+    decode_s: float
+    ttft_s: float | None  # from the call's start to the end of the first pass that gave tokens
+    first_chunk_s: float | None  # to the end of the first pass that released text or finished
+    baseline_s: float | None  # None: no pass finished (nothing to compare)
+    cost_source: str | None  # the cost model's ``source`` when the estimate was made
+    closed_early: bool  # closed by the caller before its last Step (not by an error)
+
+    @property
+    def stats(self) -> DecodeStats | None:
+        """The call's stats (None: it yielded no Step)."""
+        return self.steps[-1].stats if self.steps else None
+
+    @property
+    def latency_saved_s(self) -> float | None:
+        return None if self.baseline_s is None else self.baseline_s - self.decode_s
+
+    @property
+    def longest_draft(self) -> int:
+        return max((s.drafted for s in self.steps), default=0)
+
+
+class Run:
+    """One call's Steps (iterate once) and, after ``close``, its ``CallRecord`` (``record``).
+
+    Closing it closes the Step generator in the calling thread (which releases the pair's lock and
+    saves the verified part to the prefix cache) and makes the record; a run that raised or was
+    left early is closed the same way. ``run`` makes one from ``stream``'s arguments.
+    """
+
+    def __init__(self, pair: ModelPair, steps: Iterator[Step]):
+        self.pair, self._steps = pair, steps
+        self.steps: list[Step] = []
+        self.start = time.perf_counter()
+        self.record: CallRecord | None = None
+        self._decode_s = 0.0
+        self._ttft_s: float | None = None
+        self._first_chunk_s: float | None = None
+        self._failed = False
+
+    def __iter__(self) -> Iterator[Step]:
+        # Passes are timed by the loop (Step.started, Step.seconds, on the call's perf_counter clock);
+        # timed here is only the decoder's time around them: from each resume to its next pass (the
+        # lock wait and cache restore before the first), and the cleanup after the last (``close``).
+        resumed = time.perf_counter()
+        try:
+            for step in self._steps:
+                self._decode_s += step.started - resumed + step.seconds
+                self.steps.append(step)
+                end = step.started + step.seconds - self.start
+                if self._ttft_s is None and step.tokens:
+                    self._ttft_s = end
+                if self._first_chunk_s is None and (step.text or step.finish_reason is not None):
+                    self._first_chunk_s = end
+                yield step
+                resumed = time.perf_counter()
+        except Exception:
+            self._failed = True  # the decoder raised: not a close by the caller
+            raise
+
+    def close(self) -> CallRecord:
+        """Close the Steps (the cleanup timed as the decoder's) and make the record, once."""
+        if self.record is None:
+            t0 = time.perf_counter()
+            self._steps.close()
+            self._decode_s += time.perf_counter() - t0
+            self.record = self._recorded()
+        return self.record
+
+    def _recorded(self) -> CallRecord:
+        stats = self.steps[-1].stats if self.steps else None
+        baseline, source = None, None
+        if stats is not None:
+            cost = self.pair.cost.latency()
+            baseline, source = baseline_seconds(cost, stats), cost.source
+        finished = bool(self.steps) and self.steps[-1].finish_reason is not None
+        early = not finished and not self._failed
+        return CallRecord(
+            self.steps, self._decode_s, self._ttft_s, self._first_chunk_s, baseline, source, early
+        )
+
+
+def run(
+    pair: ModelPair,
+    prompt_ids: Any,
+    drafter: Any = None,
+    prefix_cache: Any = True,
+    grammar: Grammar | Constraint | None = None,
+    namespace: str | None = None,
+    **options: Any,
+) -> Run:
+    """``stream``'s call as a ``Run``: its Steps, then (closed) its ``CallRecord``."""
+    return Run(pair, stream(pair, prompt_ids, drafter, prefix_cache, grammar, namespace, **options))

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 
 from agentspec.attention import use_grouped_sdpa
+from agentspec.cost import PairCost
 from agentspec.drafters.eagle import is_eagle
 from agentspec.drafters.health import DraftHealth
 from agentspec.drafters.hybrid import DraftMemories
 from agentspec.grammar import GrammarCompiler
 from agentspec.kv import WeightFirst
 from agentspec.static_kv import StaticState
-from agentspec.telemetry.latency import LatencyModel
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +219,12 @@ class ModelPair:
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     # drafters that keep failing sit out a cool-down of calls (agentspec.drafters.health)
     draft_health: DraftHealth = field(default_factory=DraftHealth, repr=False, compare=False)
-    # what drafting learned from earlier calls (outputs, calibrations, costs), one per namespace key
-    # (built with the pair: its cost priors are those of the target's device kind)
+    # what the target's passes cost here (agentspec.cost): the drafting schedule's verify curve and
+    # the latency-saved baseline's curve, taught by every pass the loop runs; built with the pair,
+    # its priors are those of the target's device kind
+    cost: PairCost = field(init=False, repr=False, compare=False)
+    # what drafting learned from earlier calls (outputs, calibrations), one per namespace key
     draft_memory: DraftMemories = field(init=False, repr=False, compare=False)
-    # what the target's passes cost here, for telemetry's latency-saved estimate (agentspec.telemetry)
-    latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
 
     # built with the pair, not passed in:
     # the large linears of target and draft that compute verify passes weight-first, found once
@@ -240,7 +241,8 @@ class ModelPair:
     def __post_init__(self) -> None:
         self.weight_first = WeightFirst(*(m for m in (self.target, self.draft) if m is not None))
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
-        self.draft_memory = DraftMemories(self.device if self.target is not None else None)
+        self.cost = PairCost(self.device if self.target is not None else None)
+        self.draft_memory = DraftMemories(self.cost.verify)
         if self.draft_cache not in DRAFT_CACHES:
             raise ValueError(f"draft_cache: expected one of {DRAFT_CACHES}, got {self.draft_cache!r}")
 

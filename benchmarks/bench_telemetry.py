@@ -44,7 +44,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import agentspec
-from agentspec.telemetry import Telemetry, calibrate, cost_model, set_cost_model
+from agentspec.cost import calibrate, cost_model, set_cost_model
+from agentspec.decode import Run
+from agentspec.telemetry import CallInfo, Telemetry
 from agentspec.telemetry import attributes as A
 from benchmarks.plots import finish
 from examples import agent_demo
@@ -212,12 +214,11 @@ def overhead(pair, args) -> dict:
         telemetry = Telemetry(**providers)  # one per caller, as the chat model keeps one
         t0 = time.perf_counter()
         for _ in range(n):
-            call = telemetry.call(pair, pair.name, config, streamed=False)
-            watched = call.watch(restamped())  # a generator, as agentspec.stream gives
-            for _ in watched:
+            call = telemetry.call(CallInfo(pair.name, config))
+            replayed = Run(pair, restamped())  # the call's record, as agentspec.decode.run gives it
+            for _ in replayed:
                 pass
-            watched.close()
-            call.end()
+            call.end(replayed.close())
         return (time.perf_counter() - t0) / n
 
     n = 300

@@ -60,10 +60,11 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.config import GenerationConfig
+from agentspec.cost import VerifyCost
 from agentspec.drafters import hybrid
 from agentspec.drafters.hybrid import DraftMemory, HybridDrafter
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-from agentspec.drafters.schedule import Calibration, VerifyCost
+from agentspec.drafters.schedule import Calibration
 from agentspec.drafters.suffix import (
     FACTOR,
     FLOOR,

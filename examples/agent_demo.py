@@ -47,8 +47,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydantic import BaseModel, Field
 
 import agentspec
+from agentspec.cost import calibrate
 from agentspec.telemetry import attributes as A
-from agentspec.telemetry import calibrate
 from langchain_agentspec import ChatSpecDecode
 
 SYSTEM = """You are the release assistant of the Harbor project, a job scheduler written in Python.
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         f"output tokens {total('output')}, of which accepted drafts {total('accepted')}"
     )
     print("\nper call, from the OpenTelemetry spans of the agentspec run (saved: estimated against plain")
-    print("decoding without cache; see agentspec/telemetry/latency.py):")
+    print("decoding without cache; see agentspec/cost.py):")
     print(call_table(spans, [c["what"] for c in m_fast.calls]))
     saved = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans)
     own = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans_base)

@@ -30,8 +30,8 @@ import torch
 from phoenix_local import local_phoenix, spans_dataframe
 
 import agentspec
+from agentspec.cost import calibrate
 from agentspec.telemetry import attributes as A
-from agentspec.telemetry import calibrate
 from langchain_agentspec import ChatSpecDecode
 
 

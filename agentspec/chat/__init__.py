@@ -4,16 +4,18 @@ parsed back into content and OpenAI-format tool calls.
 
 prompt.py      messages -> prompt through the chat template (the Hermes fallback for tools)
 tool_calls.py  tool calls found in model output, whole or streamed
-request.py     prepare() and ReplyParser: what the LangChain chat model and the server call
-reply.py       reply_deltas(): a prepared request's decoding steps as text, whole calls and the finish
+request.py     prepare() and prepare_call() (one request fitted to a pair), ReplyParser
+reply.py       run(): a prepared call decoded into text, whole calls and the finish, then its record
 """
 
 from agentspec.chat.prompt import Prompt, render, tool_call_text
-from agentspec.chat.reply import Delta, reply_deltas, speculative_metadata
-from agentspec.chat.request import PreparedRequest, ReplyParser, prepare
+from agentspec.chat.reply import ChatRun, Delta, reply_deltas, run, speculative_metadata
+from agentspec.chat.request import ChatCall, PreparedRequest, ReplyParser, prepare, prepare_call
 from agentspec.chat.tool_calls import Reply, ToolCallSplitter, new_response_id, parse_reply
 
 __all__ = [
+    "ChatCall",
+    "ChatRun",
     "Delta",
     "PreparedRequest",
     "Prompt",
@@ -23,8 +25,10 @@ __all__ = [
     "new_response_id",
     "parse_reply",
     "prepare",
+    "prepare_call",
     "render",
     "reply_deltas",
+    "run",
     "speculative_metadata",
     "tool_call_text",
 ]

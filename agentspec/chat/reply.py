@@ -8,10 +8,12 @@ chat model turns each ``Delta`` into a chunk, the server into an SSE event or on
 - each tool call comes whole, once its block closes, with its index in the reply; an invalid one
   (markup that does not parse, a call cut by ``max_tokens``) has the same OpenAI shape, the model's
   raw text as its arguments and an ``error`` saying why;
-- with one call wanted (a named tool, ``parallel_tool_calls=False``), the reply finishes ("stop")
-  as soon as that call is out, and the caller stops decoding there: the deltas end after the one
-  with a ``finish_reason``, and the caller closes the steps (which releases the pair's lock and
-  saves the verified part to the prefix cache).
+- the finish is the loop's: with one call wanted (a named tool, ``parallel_tool_calls=False``) the
+  request's fitted config stops decoding at the call's closing tag (``PreparedRequest.fitted``), and
+  any call after the first is dropped; the deltas end after the one with a ``finish_reason``.
+
+``run`` decodes a prepared ``ChatCall`` into these deltas (``ChatRun``) and, once closed, hands back
+the call's one ``CallRecord`` (steps, decoder time, latency saved) that every report reads.
 
 ``speculative_metadata`` is the per-call speculation record both report (LangChain's
 ``response_metadata["speculative"]``, the server's ``metrics.agentspec``).
@@ -19,16 +21,15 @@ chat model turns each ``Delta`` into a chunk, the server into an SSE event or on
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from agentspec.chat.request import PreparedRequest, ReplyParser
+from agentspec.chat.request import ChatCall, PreparedRequest, ReplyParser
+from agentspec.decode import CallRecord, Run, Step
+from agentspec.decode import run as run_steps
 from agentspec.stats import DecodeStats
-
-if TYPE_CHECKING:
-    from agentspec.decode import Step
 
 
 @dataclass
@@ -42,21 +43,13 @@ class Delta:
     stats: DecodeStats  # the call's running stats (final on the last delta)
 
 
-def reply_deltas(request: PreparedRequest, steps: Iterable[Step], started: float) -> Iterator[Delta]:
+def reply_deltas(request: PreparedRequest, steps: Iterable[Step]) -> Iterator[Delta]:
     """The deltas of ``request``'s reply, from the Steps of ``agentspec.stream`` over its prompt.
-
-    ``started``: ``time.perf_counter()`` when the call began, for ``stats.total_time_s`` when the
-    reply finishes on a complete call (the loop, not told, would go on decoding). Steps that add
-    nothing to show give no delta.
-    """
+    Steps that add nothing to show give no delta."""
     parser = ReplyParser(request)
     for step in steps:
         reason = step.finish_reason
         events = parser.feed(step.text)
-        if reason is None and parser.complete:
-            reason = "stop"  # the one wanted call is complete: stop decoding here
-            step.stats.finish_reason = reason
-            step.stats.total_time_s = time.perf_counter() - started
         if reason is not None:
             events += parser.finish()
         text = "".join(value for kind, value in events if kind == "text")
@@ -65,6 +58,46 @@ def reply_deltas(request: PreparedRequest, steps: Iterable[Step], started: float
             yield Delta(text, calls, parser.calls - len(calls), reason, step.stats)
         if reason is not None:
             return
+
+
+class ChatRun:
+    """One prepared call decoded: iterate for its ``Delta``s, then ``close`` for its ``CallRecord``.
+
+    Close it in the thread that iterated it (the pair's lock is that thread's), whether the reply
+    finished, the caller left early or an error was raised: closing releases the lock, saves the
+    verified part to the prefix cache and makes the record.
+    """
+
+    def __init__(self, call: ChatCall, steps: Run, cancelled: threading.Event | None = None):
+        self.call, self._run, self._cancelled = call, steps, cancelled
+
+    def __iter__(self) -> Iterator[Delta]:
+        return reply_deltas(self.call.request, self._steps())
+
+    def _steps(self) -> Iterator[Step]:
+        """The Steps, ending after the pass in progress once ``cancelled`` is set."""
+        for step in self._run:
+            yield step
+            if self._cancelled is not None and self._cancelled.is_set():
+                return
+
+    def close(self) -> CallRecord:
+        return self._run.close()
+
+
+def run(
+    call: ChatCall,
+    drafter: Any = None,
+    prefix_cache: Any = True,
+    namespace: str | None = None,
+    cancelled: threading.Event | None = None,
+) -> ChatRun:
+    """Decode ``call`` (``agentspec.chat.prepare_call``) with ``drafter`` and ``prefix_cache`` as
+    ``agentspec.stream`` takes them, in ``namespace`` (the tenant's cache and drafting memory);
+    ``cancelled``, once set, ends the deltas after the pass in progress (a consumer that left)."""
+    ids = call.request.prompt.ids
+    steps = run_steps(call.pair, ids, drafter, prefix_cache, call.grammar, namespace, config=call.config)
+    return ChatRun(call, steps, cancelled)
 
 
 def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:

@@ -29,6 +29,8 @@ from agentspec import grammar as G
 from agentspec.chat.prompt import Prompt, render
 from agentspec.chat.tool_calls import CLOSE, OPEN, Event, ToolCallSplitter
 from agentspec.config import GenerationConfig
+from agentspec.decode import ContextLengthExceeded, context_room
+from agentspec.models import ModelPair
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +148,7 @@ class PreparedRequest:
         """What the client asked for (``gen_ai.output.type``): "json" under a response_format, else "text"."""
         return "json" if self.answer is not None else "text"
 
-    def constraint(self, pair: Any) -> G.Constraint | None:
+    def constraint(self, pair: ModelPair) -> G.Constraint | None:
         """The grammar compiled for ``pair``, past the forced start of the reply."""
         if self.grammar is None:
             return None
@@ -155,11 +157,12 @@ class PreparedRequest:
             raise ValueError(f"the forced start of the reply does not fit {self.grammar.description}")
         return constraint
 
-    def fitted(self, pair: Any, config: GenerationConfig) -> GenerationConfig:
+    def fitted(self, pair: ModelPair, config: GenerationConfig) -> GenerationConfig:
         """``config`` for this request on ``pair``: its stop strings added, its length cut to the room
-        the prompt leaves in the context window (at least one token: a full window is refused later,
-        by the loop, with the reason)."""
-        room = pair.max_context - len(self.prompt.ids)
+        the prompt leaves in the context window (``ContextLengthExceeded`` where it leaves none)."""
+        room = context_room(pair, len(self.prompt.ids))
+        if room < 1:
+            raise ContextLengthExceeded(len(self.prompt.ids), pair.max_context, "messages")
         # one wanted call: the reply ends at its closing tag, in the core, so every mode keeps the
         # same tokens (a verify pass may accept the end-of-turn token after the tag, a plain pass
         # would not have made it) and the usage, the span and the saved prefix agree on them
@@ -167,7 +170,7 @@ class PreparedRequest:
         return dataclasses.replace(
             config,
             stop=config.stop + self.stop + single,
-            max_new_tokens=max(1, min(config.max_new_tokens, room)),
+            max_new_tokens=min(config.max_new_tokens, room),
         )
 
 
@@ -205,6 +208,44 @@ def prepare(
     )
     stop = (OPEN,) if choice == "none" else ()
     return PreparedRequest(prompt, grammar, names, single, stop, messages, tools, answer)
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """One chat request prepared for one pair: what ``agentspec.chat.run`` decodes."""
+
+    pair: ModelPair
+    request: PreparedRequest  # prompt ids, the reply's grammar and forced start, its tools
+    config: GenerationConfig  # the caller's options with the request's stop strings and room applied
+    grammar: G.Constraint | None  # the reply's grammar compiled for the pair (None: free text)
+
+
+def prepare_call(
+    pair: ModelPair,
+    messages: Sequence[dict],
+    config: GenerationConfig,
+    tools: Sequence[dict] | None = None,
+    tool_choice: Any = None,
+    response_format: dict | None = None,
+    *,
+    parallel_tool_calls: bool = True,
+    constrained: bool = True,
+    prefill: str | None = None,
+) -> ChatCall:
+    """A chat request (OpenAI format) prepared for ``pair``: rendered (``prepare``), fitted to the
+    context (``ContextLengthExceeded`` where the prompt leaves no room for a reply) and its grammar
+    compiled. What is wrong with the request is a ValueError (or TypeError) naming it."""
+    request = prepare(
+        pair.tokenizer,
+        messages,
+        tools,
+        tool_choice,
+        response_format,
+        parallel_tool_calls=parallel_tool_calls,
+        constrained=constrained,
+        prefill=prefill,
+    )
+    return ChatCall(pair, request, request.fitted(pair, config), request.constraint(pair))
 
 
 class ReplyParser:

@@ -2,17 +2,21 @@
 
 ``model``: a draft model (fixed length, or confidence-scheduled with ``schedule``); ``prompt_lookup``:
 n-gram lookup in the context; ``suffix``: suffix trees over the request and earlier outputs;
-``hybrid``: ``drafter="auto"``, the suffix draft or the model's, whichever is worth more per pass.
+``hybrid``: ``drafter="auto"``, the suffix draft or the model's, whichever is worth more per pass;
+``registry``: the names, the default and ``build_drafter``.
 """
 
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.drafters.hybrid import DraftMemories, DraftMemory, HybridDrafter, build_drafter
+from agentspec.drafters.hybrid import DraftMemories, DraftMemory, HybridDrafter
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-from agentspec.drafters.schedule import Calibration, ConfidenceSchedule, VerifyCost
+from agentspec.drafters.registry import DEFAULT, NAMES, build_drafter
+from agentspec.drafters.schedule import Calibration, ConfidenceSchedule
 from agentspec.drafters.suffix import SuffixDrafter, SuffixStore
 
 __all__ = [
+    "DEFAULT",
+    "NAMES",
     "Calibration",
     "ConfidenceSchedule",
     "Draft",
@@ -24,6 +28,5 @@ __all__ = [
     "PromptLookupDrafter",
     "SuffixDrafter",
     "SuffixStore",
-    "VerifyCost",
     "build_drafter",
 ]

@@ -10,9 +10,10 @@ drafts under its confidence schedule, which may itself decide a draft is not wor
 draft model (or neither worth it) the pass verifies no draft. ``DecodeStats.source_steps`` counts
 the choices ("suffix", "model", "none").
 
-What drafting learns about a pair (the suffix tree of earlier outputs, the calibrations, the
-verify-cost curve) lives in a ``DraftMemory`` held by the pair (``ModelPair.draft_memory``, one per
-namespace key: calls of one namespace share it, other namespaces never see it). Greedy calls read
+What drafting learns about a pair's calls (the suffix tree of earlier outputs, the calibrations)
+lives in a ``DraftMemory`` held by the pair (``ModelPair.draft_memory``, one per namespace key: calls
+of one namespace share it, other namespaces never see it); what a verify pass costs is the pair's
+(``agentspec.cost.VerifyCost``, ``ModelPair.cost.verify``), the same whatever the namespace. Greedy calls read
 and update it; sampled calls only add their outputs to the tree, and draft from
 fresh calibrations and the default cost curve, so a seeded call never depends on earlier calls or
 on timing. Every choice is a function of the verified context (and, for sampled model drafts, of
@@ -27,13 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 from agentspec.config import GenerationConfig
+from agentspec.cost import VerifyCost
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.schedule import (
     Calibration,
-    ConfidenceSchedule,
     PassTimer,
-    VerifyCost,
     best_length,
     pass_yield,
     survival,
@@ -63,31 +63,28 @@ def _suffix_prior(branch: float, group: int) -> float:
 
 @dataclass
 class DraftMemory:
-    """What drafting learns about one pair across calls (read and updated by greedy calls)."""
+    """What drafting learns about one namespace's calls (read and updated by greedy calls)."""
 
     store: SuffixStore = field(default_factory=SuffixStore)  # earlier outputs
     suffix_calibration: Calibration = field(default_factory=lambda: Calibration(_suffix_prior))
     model_calibration: Calibration = field(default_factory=Calibration)
+    # what a verify pass costs: the pair's one VerifyCost in a pair's memories (DraftMemories)
     cost: VerifyCost = field(default_factory=VerifyCost)
-
-    @classmethod
-    def for_device(cls, device: torch.device | str | None) -> DraftMemory:
-        """An empty memory whose cost model starts from ``device``'s priors (``VerifyCost.for_device``)."""
-        return cls(cost=VerifyCost.for_device(device))
 
 
 class DraftMemories:
     """A pair's drafting memories, one per namespace key (``None``: the default, shared by every call
     that names none), so a server can keep one tenant's earlier outputs out of another's drafts.
 
-    A memory lives as long as its pair; each holds at most ``STORE_TOKENS`` output tokens, and
-    nothing bounds the number of keys: a caller with unbounded keys should reuse a fixed set. No
-    drafting state is process-wide: what is shared is the pair itself (the LangChain adapter hands
-    one loaded pair to every chat model of the same models), and with it the default namespace.
+    Every memory prices passes with the pair's ``verify`` cost. A memory lives as long as its pair;
+    each holds at most ``STORE_TOKENS`` output tokens, and nothing bounds the number of keys: a
+    caller with unbounded keys should reuse a fixed set. No drafting state is process-wide: what is
+    shared is the pair itself (the LangChain adapter hands one loaded pair to every chat model of the
+    same models), and with it the default namespace.
     """
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.device = device  # the pair's: each memory's cost priors are its kind's
+    def __init__(self, verify: VerifyCost | None = None) -> None:
+        self.verify = verify if verify is not None else VerifyCost()
         self._lock = threading.Lock()
         self._memories: dict[str | None, DraftMemory] = {}
 
@@ -95,7 +92,7 @@ class DraftMemories:
         with self._lock:
             memory = self._memories.get(namespace)
             if memory is None:
-                memory = self._memories[namespace] = DraftMemory.for_device(self.device)
+                memory = self._memories[namespace] = DraftMemory(cost=self.verify)
             return memory
 
 
@@ -211,30 +208,3 @@ class HybridDrafter(Drafter):
     def catch_up(self, ids: list[int]) -> None:
         if self.model is not None:
             self.model.catch_up(ids)
-
-
-def build_drafter(pair, name: str, memory: DraftMemory | None = None) -> Drafter:
-    """The drafter called ``name`` for ``pair`` ("auto", "suffix", "model", "model_scheduled",
-    "prompt_lookup"); learned state comes from ``memory`` (default: the pair's default namespace)."""
-    from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-
-    if name == "prompt_lookup":
-        return PromptLookupDrafter()
-    memory = memory if memory is not None else pair.draft_memory.get()
-    vocab = pair.target.config.vocab_size
-    if name == "suffix":
-        return SuffixDrafter(memory.store)
-    if name == "auto":
-        model = None
-        if pair.draft is not None:
-            schedule = ConfidenceSchedule(memory.model_calibration, memory.cost)
-            model = ModelDrafter(pair.draft, vocab, schedule, "model_scheduled", pair.draft_state())
-        return HybridDrafter(memory, model=model)
-    if name in ("model", "model_scheduled"):
-        if pair.draft is None:
-            raise ValueError(f"drafter={name!r} needs a pair loaded with a draft_model")
-        if name == "model":
-            return ModelDrafter(pair.draft, vocab_size=vocab, state=pair.draft_state())
-        schedule = ConfidenceSchedule(memory.model_calibration, memory.cost)
-        return ModelDrafter(pair.draft, vocab, schedule, "model_scheduled", pair.draft_state())
-    raise ValueError(f"drafter: unknown name {name!r}")

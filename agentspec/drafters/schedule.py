@@ -15,22 +15,16 @@ Lossless: the length of a sampled draft is decided before each token is sampled,
 confidences of the positions before it (a function of the output prefix, not of the token itself);
 only a deterministic draft is cut after the fact (``trim``).
 
-``VerifyCost`` starts from its device kind's prior (``PRIORS``: on a CPU ``DEFAULT_VERIFY_COST``,
-``benchmarks/results/core.json``: SmolLM2-135M, float32, 2 CPU cores, 300-token cache; on a GPU one
-step for a pass of up to 16 tokens) and learns the pair's own curve from the verify passes of
-greedy calls, timed on the device's clock (``DeviceClock``; no separate calibration run). Sampled
-calls keep the fixed prior and fresh calibrations, so a seeded call never depends on timing or on
-earlier calls.
+The schedule reads the pair's ``agentspec.cost.VerifyCost`` (``V(n)`` and the draft step's share,
+from its device kind's prior until the pair's own passes are timed, on the device's clock by
+``PassTimer`` here; no separate calibration run). Sampled calls use a frozen copy of the prior and
+fresh calibrations, so a seeded call never depends on timing or on earlier calls.
 
-Pure functions first, then the stateful pieces: ``Calibration``, ``VerifyCost``, ``ConfidenceSchedule``.
-(``VerifyCost`` prices verify passes for drafting decisions; ``agentspec.telemetry.latency.CostModel``
-estimates a whole plain call's time for the latency-saved metric: different questions.)
+Pure functions first, then the stateful pieces: ``Calibration``, ``ConfidenceSchedule``, the timers.
 """
 
 from __future__ import annotations
 
-import bisect
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,20 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-# T(n)/T(1) measured by benchmarks/bench_core.py (core.json): n new tokens in one target pass
-DEFAULT_VERIFY_COST: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.64), (4, 1.79), (8, 2.68), (16, 3.05))
-DEFAULT_DRAFT_STEP = 0.1  # one draft-model step / one target step, until measured (a 1/10-size draft)
-# On a GPU a batch-1 pass of up to 16 tokens is bound by reading the weights, not by arithmetic (a
-# 7B model in bfloat16: 15 GB read at ~4.8 TB/s is ~3 ms; 16 tokens' 0.24 TFLOP at ~790 TFLOP/s is
-# ~0.3 ms), so verifying costs one step; an eager 0.5B draft step is launch-bound at about 0.3 of an
-# eager 7B step (anchors.md section 9). benchmarks/gpu_check.py measures both on the device.
-CUDA_VERIFY_COST: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 1.0))
-CUDA_DRAFT_STEP = 0.3
-# the priors of each device kind: what a sampled call's schedule uses whatever ran before it
-PRIORS: dict[str, tuple[tuple[tuple[int, float], ...], float]] = {
-    "cpu": (DEFAULT_VERIFY_COST, DEFAULT_DRAFT_STEP),
-    "cuda": (CUDA_VERIFY_COST, CUDA_DRAFT_STEP),
-}
+from agentspec.cost import VerifyCost
+
 TYPICAL_ACCEPTANCE = 0.7  # a draft model's acceptance per position before any evidence (Leviathan: 0.6-0.8)
 
 
@@ -102,18 +84,6 @@ def worth_extending(
         if total / (verify(d + 1) + d * draft_step) > best:
             return True
     return False
-
-
-def interpolate(points: Sequence[tuple[int, float]], n: float) -> float:
-    """Piecewise-linear through sorted (n, value) points; past the last point, the last segment's slope."""
-    xs = [p[0] for p in points]
-    if n <= xs[0]:
-        return points[0][1]
-    i = bisect.bisect_left(xs, n)
-    if i == len(xs):
-        i -= 1
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
 
 # --- calibration -----------------------------------------------------------------------------------
@@ -181,109 +151,6 @@ class Calibration:
     def fresh(self) -> Calibration:
         """The same prior with no evidence."""
         return Calibration(self.prior, self.bins, self.weight, self.decay)
-
-
-# --- verify cost -----------------------------------------------------------------------------------
-
-
-def isotonic(points: Sequence[tuple[int, float, float]]) -> list[tuple[int, float]]:
-    """The non-decreasing fit of (x, y, weight) points sorted by x (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [sum of w*y, sum of w, number of points]
-    for _, y, w in points:
-        blocks.append([w * y, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            last = blocks.pop()
-            blocks[-1] = [blocks[-1][0] + last[0], blocks[-1][1] + last[1], blocks[-1][2] + last[2]]
-    fitted = [b[0] / b[1] for b in blocks for _ in range(int(b[2]))]
-    return [(x, v) for (x, _, _), v in zip(points, fitted)]
-
-
-@dataclass
-class VerifyCost:
-    """V(n) = T(n)/T(1) and the draft step's cost, learned from timed passes when ``learn`` is on.
-
-    Each size n keeps its last ``window`` pass times; T(n) is their median (robust to a pass that
-    another process delayed; recent, so T(1) and T(n) come from similar context lengths). V(n)
-    comes from the sizes with at least ``min_samples`` passes, fitted non-decreasing (weighted
-    isotonic regression: a running maximum of noisy estimates would inflate the curve),
-    interpolated between them, and beyond the largest one follows the prior curve's shape; with no
-    observations it is the prior. T(1) is observed directly, or inferred from other sizes through
-    the prior.
-    """
-
-    prior: tuple[tuple[int, float], ...] = DEFAULT_VERIFY_COST
-    draft_step_prior: float = DEFAULT_DRAFT_STEP
-    learn: bool = True
-    min_samples: int = 3
-    window: int = 32
-    times: dict[int, deque] = field(default_factory=dict)  # n -> recent pass times (seconds)
-    draft_times: deque = field(default_factory=lambda: deque(maxlen=32))  # recent draft steps (seconds)
-    _curve: tuple[tuple[int, float], ...] | None = None
-
-    def observe_pass(self, n_new: int, seconds: float) -> None:
-        if not self.learn or n_new < 1 or seconds <= 0:
-            return
-        self.times.setdefault(n_new, deque(maxlen=self.window)).append(seconds)
-        self._curve = None
-
-    def observe_draft(self, seconds_per_step: float) -> None:
-        if self.learn and seconds_per_step > 0:
-            self.draft_times.append(seconds_per_step)
-
-    def _medians(self) -> dict[int, tuple[float, int]]:
-        return {
-            n: (statistics.median(t), len(t)) for n, t in self.times.items() if len(t) >= self.min_samples
-        }
-
-    def _t1(self) -> float | None:
-        seen = self._medians()
-        if 1 in seen:
-            return seen[1][0]
-        if not seen:
-            return None
-        return sum(t / interpolate(self.prior, n) for n, (t, _) in seen.items()) / len(seen)
-
-    def curve(self) -> tuple[tuple[int, float], ...]:
-        """The current (n, V(n)) points."""
-        if self._curve is None:
-            t1 = self._t1()
-            seen = self._medians()
-            data = [(n, t / t1, float(k)) for n, (t, k) in sorted(seen.items()) if n > 1] if t1 else []
-            if not data:
-                self._curve = tuple(self.prior)
-                return self._curve
-            points = [(1, 1.0)] + [(n, max(1.0, v)) for n, v in isotonic(data)]
-            last_n, last_v = points[-1]  # past the last observed size: the prior's growth from there
-            base = interpolate(self.prior, last_n)
-            points += [(n, last_v * v / base) for n, v in self.prior if n > last_n]
-            self._curve = tuple(points)
-        return self._curve
-
-    def verify(self, n: int) -> float:
-        """V(n): a pass over n new tokens in one-token steps."""
-        return max(1.0, interpolate(self.curve(), n)) if n > 1 else 1.0
-
-    @property
-    def draft_step(self) -> float:
-        t1 = self._t1()
-        if len(self.draft_times) < self.min_samples or not t1:
-            return self.draft_step_prior
-        return statistics.median(self.draft_times) / t1
-
-    def frozen(self) -> VerifyCost:
-        """The prior alone, learning nothing (for sampled calls: no dependence on timing)."""
-        return VerifyCost(self.prior, self.draft_step_prior, learn=False)
-
-    @classmethod
-    def for_device(cls, device: torch.device | str | None) -> VerifyCost:
-        """A cost model starting from the priors of ``device``'s kind (``PRIORS``; others: the CPU's).
-
-        Per kind, not per dtype: the curves' shape comes from where a pass is bound (memory on a
-        GPU; on a CPU the kernels' row handling), which the dtype does not change.
-        """
-        kind = torch.device(device).type if device is not None else "cpu"
-        curve, step = PRIORS.get(kind, PRIORS["cpu"])
-        return cls(curve, step)
 
 
 # --- the schedule of a draft model ------------------------------------------------------------------

@@ -41,6 +41,7 @@ from opentelemetry import propagate
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentspec.chat import Delta, speculative_metadata
+from agentspec.decode import CallRecord
 from agentspec.models import ModelPair
 from agentspec.serve import protocol as P
 from agentspec.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -133,12 +134,12 @@ class Server:
         if job.closed_early:
             self.metrics.closed_early.labels(self.engine.model).inc()
 
-    def finished(self, reply: Reply, last: Delta, figures: dict[str, Any], started: float) -> dict[str, Any]:
+    def finished(self, reply: Reply, last: Delta, record: CallRecord, started: float) -> dict[str, Any]:
         """The response's ``metrics`` of a finished reply, counted in ``/metrics`` too."""
-        metrics = reply.metrics(last, figures)
+        metrics = reply.metrics(last, record)
         spec_steps = metrics["speculative_decoding"]["num_spec_steps"]
         duration = time.perf_counter() - started
-        self.metrics.decoded(last.stats, spec_steps, figures["latency_saved_s"], duration)
+        self.metrics.decoded(last.stats, spec_steps, record.latency_saved_s, duration)
         return metrics
 
     def close(self) -> None:
@@ -171,7 +172,8 @@ class Reply:
     def finish_reason(self, delta: Delta) -> str:
         return P.finish_reason(delta.finish_reason or "stop", self.calls)
 
-    def metrics(self, delta: Delta, figures: dict[str, Any]) -> dict[str, Any]:
+    def metrics(self, delta: Delta, record: CallRecord) -> dict[str, Any]:
+        """The response's ``metrics``: the call's record, as the span reports it."""
         stats = delta.stats
         own = {
             **speculative_metadata(stats),
@@ -179,12 +181,15 @@ class Reply:
             "prefill_tokens": stats.prefill_tokens,
             "forced_tokens": stats.forced_tokens,
             "time_to_first_token_s": stats.time_to_first_token_s,
-            **{k: v for k, v in figures.items() if k != "longest_draft"},
+            "latency_saved_s": record.latency_saved_s,
+            "baseline_s": record.baseline_s,
+            "decode_s": record.decode_s,
+            "cost_source": record.cost_source,
         }
         if self.invalid:
             own["invalid_tool_calls"] = self.invalid
         return {
-            "speculative_decoding": P.speculative_decoding(stats, figures["longest_draft"]),
+            "speculative_decoding": P.speculative_decoding(stats, record.longest_draft),
             "agentspec": own,
         }
 
@@ -209,17 +214,17 @@ async def _until_disconnected(request: Request, job: Job) -> None:
 async def _whole(server: Server, job: Job, request: Request, started: float) -> dict[str, Any]:
     reply, events = Reply(), job.events()
     watcher = asyncio.ensure_future(_until_disconnected(request, job))
-    delta, figures = None, None
+    delta, record = None, None
     try:
         await _first(events)
         async for kind, value in events:
-            delta, figures = value if kind == "finish" else (value, None)
+            delta, record = value if kind == "finish" else (value, None)
             reply.add(delta)
     finally:
         watcher.cancel()
-    if delta is None or figures is None:  # the client went away: nobody reads this
+    if delta is None or record is None:  # the client went away: nobody reads this
         raise P.APIError(499, "the client closed the request", code="client_closed")
-    metrics = server.finished(reply, delta, figures, started)
+    metrics = server.finished(reply, delta, record, started)
     text, reason = "".join(reply.text), reply.finish_reason(delta)
     return P.completion(job.response_id, server.engine.model, text, reply.calls, reason, delta.stats, metrics)
 
@@ -230,14 +235,14 @@ async def _sse(server: Server, events: AsyncIterator, chunks: P.Chunks, started:
     yield chunks.start()
     try:
         async for kind, value in events:
-            delta, figures = value if kind == "finish" else (value, None)
+            delta, record = value if kind == "finish" else (value, None)
             calls = reply.add(delta)
             if delta.text:
                 yield chunks.text(delta.text)
             if calls:
                 yield chunks.calls([c for _, c in calls], calls[0][0])
-            if figures is not None:
-                metrics = server.finished(reply, delta, figures, started)
+            if record is not None:
+                metrics = server.finished(reply, delta, record, started)
                 for event in chunks.finish(reply.finish_reason(delta), delta.stats, metrics):
                     yield event
     except P.APIError as exc:

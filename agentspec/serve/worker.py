@@ -14,7 +14,7 @@ verified part to the prefix cache, as for any closed stream.
 
 Events a job puts on its queue, in order: ("ready", None) once the request is prepared (or
 ("error", exc) instead), then ("delta", Delta) for each delta but the last, then ("finish",
-(Delta, figures)) once the stream is closed (the cache saved, the span ended), or ("closed", None)
+(Delta, CallRecord)) once the stream is closed (the cache saved, the span ended), or ("closed", None)
 after a cancelled decode, or ("error", exc).
 """
 
@@ -22,20 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.trace import SpanKind
 
-from agentspec.chat import Delta, PreparedRequest, new_response_id, prepare, reply_deltas
+from agentspec.chat import ChatCall, new_response_id, prepare_call
+from agentspec.chat import run as run_call
 from agentspec.config import GenerationConfig
-from agentspec.decode import Step, stream
-from agentspec.grammar import Constraint
+from agentspec.decode import ContextLengthExceeded
 from agentspec.models import ModelPair
 from agentspec.serve.protocol import DEFAULT_TEMPERATURE, APIError, ChatCompletionRequest
-from agentspec.telemetry import Telemetry, baseline_seconds, cost_model
+from agentspec.telemetry import Telemetry
+from agentspec.telemetry.otel import CallInfo
 
 
 @dataclass
@@ -46,15 +46,6 @@ class Engine:
     model: str  # the name requests give as ``model`` and responses carry
     drafter: Any  # agentspec.stream's drafter (a name: built per call, learning per namespace)
     telemetry: Telemetry
-
-
-@dataclass
-class Prepared:
-    """A request ready for ``agentspec.stream``."""
-
-    request: PreparedRequest
-    config: GenerationConfig  # the request's options, its stop strings and the context's room applied
-    grammar: Constraint | None
 
 
 def generation_config(body: ChatCompletionRequest) -> GenerationConfig:
@@ -69,31 +60,24 @@ def generation_config(body: ChatCompletionRequest) -> GenerationConfig:
     )
 
 
-def prepared(engine: Engine, body: ChatCompletionRequest) -> Prepared:
-    """``body`` prepared as ``ChatSpecDecode._prepare`` prepares a call with the same messages and
-    options (so greedy replies are the same); what is wrong with it is an ``APIError`` 400."""
-    pair = engine.pair
+def prepared(engine: Engine, body: ChatCompletionRequest) -> ChatCall:
+    """``body`` prepared as ``ChatSpecDecode`` prepares a call with the same messages and options
+    (``agentspec.chat.prepare_call``: greedy replies are the same); what is wrong with it is an
+    ``APIError`` 400."""
     try:
-        request = prepare(
-            pair.tokenizer,
+        return prepare_call(
+            engine.pair,
             body.messages,
+            generation_config(body),
             body.tools,
             body.tool_choice,
             body.response_format,
             parallel_tool_calls=body.parallel_tool_calls is not False,
         )
-        config = request.fitted(pair, generation_config(body))
-        grammar = request.constraint(pair)
+    except ContextLengthExceeded as exc:
+        raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from exc
     except (ValueError, TypeError, KeyError) as exc:  # the request's content, not the server
         raise APIError(400, f"{type(exc).__name__}: {exc}", param="messages") from exc
-    if len(request.prompt.ids) >= pair.max_context:
-        raise APIError(
-            400,
-            f"the prompt has {len(request.prompt.ids)} tokens; this model's context is {pair.max_context}",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    return Prepared(request, config, grammar)
 
 
 @dataclass(eq=False)  # one job is equal only to itself (the server keeps a set of them)
@@ -107,7 +91,6 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    steps: list[Step] = field(default_factory=list)  # the passes seen so far
     closed_early: bool = False  # cancelled before the reply finished
     conversation_id: str | None = None  # the caller's session (its X-Session-ID header), on the span
     response_id: str = field(default_factory=new_response_id)  # the response's id, on the span too
@@ -124,14 +107,13 @@ class Job:
     def _put(self, kind: str, value: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
 
-    def _decode(self, call: Prepared) -> None:
-        engine, pair = self.engine, self.engine.pair
+    def _decode(self, call: ChatCall) -> None:
+        engine = self.engine
         if self.cancelled.is_set():  # gone before its turn (once in the lock's queue, the first pass runs)
             self.closed_early = True
             self._put("closed", None)
             return
-        trace = engine.telemetry.call(
-            pair,
+        info = CallInfo(
             engine.model,
             call.config,
             True,
@@ -142,60 +124,26 @@ class Job:
             request=call.request,
             kind=SpanKind.SERVER,
         )
-        started = time.perf_counter()
-        steps = trace.watch(
-            stream(
-                pair,
-                call.request.prompt.ids,
-                engine.drafter,
-                True,
-                call.grammar,
-                self.namespace,
-                config=call.config,
-            )
-        )
+        trace = engine.telemetry.call(info)
+        deltas = run_call(call, engine.drafter, True, self.namespace, self.cancelled)
         last = None
         try:
-            for delta in reply_deltas(call.request, self._watched(steps), started):
+            for delta in deltas:
                 if delta.finish_reason is not None:
-                    last = delta  # sent once the stream is closed, with the call's final figures
+                    last = delta  # sent once the stream is closed, with the call's record
                     break
                 self._put("delta", delta)
         except BaseException as exc:
             trace.fail(exc)
             raise
         finally:
-            steps.close()  # in this thread: releases the pair's lock, saves the verified part
-            trace.end()
-        measured = time.perf_counter() - started
+            record = deltas.close()  # in this thread: releases the pair's lock, saves the verified part
+            trace.end(record)
         if last is None:  # cancelled
             self.closed_early = True
             self._put("closed", None)
         else:
-            self._put("finish", (last, self._figures(trace.enabled, last, measured)))
-
-    def _watched(self, steps: Iterable[Step]) -> Iterator[Step]:
-        for step in steps:
-            self.steps.append(step)
-            yield step
-            if self.cancelled.is_set():
-                return
-
-    def _figures(self, traced: bool, last: Delta, measured: float) -> dict[str, Any]:
-        """The longest draft and the latency-saved estimate (``agentspec.telemetry.latency``): the
-        baseline (plain decoding, no cache) minus ``measured``, the time inside the decoder from the
-        first step's request to the close, the wait for the pair's lock included, as on the span."""
-        cost = cost_model(self.engine.pair)
-        if not traced:  # a traced call's passes taught the estimate in trace.end(); teach it here
-            cost.refresh(self.steps)
-        baseline = baseline_seconds(cost, last.stats)
-        return {
-            "longest_draft": max((s.drafted for s in self.steps), default=0),
-            "latency_saved_s": baseline - measured,
-            "baseline_s": baseline,
-            "decode_s": measured,
-            "cost_source": cost.source,
-        }
+            self._put("finish", (last, record))
 
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
         """The job's events as the loop receives them, up to "finish" (none after a cancelled decode

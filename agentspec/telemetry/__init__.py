@@ -7,39 +7,20 @@ package is one exporter of them:
   conventions, ``agentspec.*`` for speculation, the prefix cache and the estimate), the two
   environment switches (opt-in message content, the conventions' draft names), and pure functions
   from a call's stats, request and reply to attribute dicts;
-- ``latency``: the estimate of what a call would have cost with plain decoding and no cache (a
-  cost model on the pair, ``ModelPair.latency``, from a prior learnt from the passes traced calls
-  timed, or fitted up front by an explicit ``calibrate``: see its docstring);
 - ``otel``: ``Telemetry`` (a caller's tracer and instruments) and ``CallTrace``, the glue that opens
   a span per call (``chat {model}``, kind INTERNAL, child of the current span), records metric
   points and costs nothing when no SDK is configured; ``traced_stream``, ``agentspec.stream`` with
   a span.
 
-Telemetry observes and never acts: a traced call runs exactly the model passes an untraced one
-runs, and tokenizes nothing. ``ChatSpecDecode(tracer_provider=..., meter_provider=...)`` keeps a
+The latency-saved estimate comes with the call's record (``agentspec.decode.CallRecord``), priced on
+the pair's cost model (``agentspec.cost``), which the decoding loop teaches from every pass it times,
+traced or not. Telemetry observes and never acts: a traced call runs exactly the model passes an
+untraced one runs, and tokenizes nothing. ``ChatSpecDecode(tracer_provider=..., meter_provider=...)`` keeps a
 ``Telemetry`` for its calls; by default it uses the global providers. Its spans carry the run's
 thread or session id as ``gen_ai.conversation.id`` (``langchain_agentspec.conversation``) and the
 reply's ``response_metadata["id"]`` as ``gen_ai.response.id``.
 """
 
-from agentspec.telemetry.latency import (
-    CostModel,
-    LatencyModel,
-    baseline_seconds,
-    calibrate,
-    cost_model,
-    set_cost_model,
-)
-from agentspec.telemetry.otel import CallTrace, Telemetry, traced_stream
+from agentspec.telemetry.otel import CallInfo, CallTrace, Telemetry, traced_stream
 
-__all__ = [
-    "CallTrace",
-    "CostModel",
-    "LatencyModel",
-    "Telemetry",
-    "baseline_seconds",
-    "calibrate",
-    "cost_model",
-    "set_cost_model",
-    "traced_stream",
-]
+__all__ = ["CallInfo", "CallTrace", "Telemetry", "traced_stream"]

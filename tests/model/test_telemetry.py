@@ -27,18 +27,11 @@ from scripted_calls import WholeCall, now
 
 from agentspec import grammar as G
 from agentspec.cache import PrefixCache
+from agentspec.cost import CostModel, baseline_seconds, calibrate, cost_model, set_cost_model
 from agentspec.decode import Step, stream
 from agentspec.models import ModelPair, ensure_default_model
 from agentspec.stats import DecodeStats
-from agentspec.telemetry import (
-    CostModel,
-    Telemetry,
-    baseline_seconds,
-    calibrate,
-    cost_model,
-    set_cost_model,
-    traced_stream,
-)
+from agentspec.telemetry import CallInfo, Telemetry, traced_stream
 from agentspec.telemetry import attributes as A
 from langchain_agentspec import ChatSpecDecode
 
@@ -253,26 +246,25 @@ def test_metrics(chat_pair, otel):
     assert saved.value == pytest.approx(sum(s.attributes[A.LATENCY_SAVED] for s in spans))
 
 
-def test_no_sdk_records_nothing_and_leaves_the_generator_alone(chat_pair, monkeypatch):
+def test_no_sdk_records_nothing(chat_pair, monkeypatch):
     telemetry = Telemetry(
         tracer_provider=trace.NoOpTracerProvider(), meter_provider=metrics.NoOpMeterProvider()
     )
-    call = telemetry.call(chat_pair, "m", None, streamed=True)
-    steps = iter([])
-    assert not call.enabled and call.watch(steps) is steps
+    call = telemetry.call(CallInfo("m", None, streamed=True))
+    assert not call.enabled
     # the API's global stand-ins (no SDK installed) count as none
     monkeypatch.setattr(trace, "get_tracer_provider", lambda: trace.ProxyTracerProvider())
     from opentelemetry.metrics._internal import _ProxyMeterProvider
 
     monkeypatch.setattr(metrics, "get_meter_provider", lambda: _ProxyMeterProvider())
-    assert not Telemetry().call(chat_pair, "m", None, streamed=False).enabled
+    assert not Telemetry().call(CallInfo("m", None)).enabled
     reply = ChatSpecDecode(pair=chat_pair, max_tokens=3).invoke("hi")  # and the model works as before
     assert reply.usage_metadata["output_tokens"] == 3
 
 
 def test_a_deep_copy_of_the_chat_model_records_to_the_same_providers():
     llm = ChatSpecDecode(max_tokens=3)  # the global providers, looked up at each call
-    llm._tracing().call(None, "m", None, streamed=False)  # has resolved them once
+    llm._tracing().call(CallInfo("m", None))  # has resolved them once
     copied = copy.deepcopy(llm)  # a Telemetry holds a lock: it copies itself without it
     assert copied._tracing() is not llm._tracing() and copied._tracing().tracer_provider is None
 
@@ -387,6 +379,13 @@ def _pass(fed: int, cached: int, drafted: int, seconds: float) -> Step:
     return Step([0], "", drafted, 0, 0, seconds, fed=fed, cached=cached)
 
 
+def _observe(cost: CostModel, steps: list[Step]) -> None:
+    """``cost`` told of each pass as the loop tells the pair's cost model (target passes only)."""
+    for s in steps:
+        if s.target_pass:
+            cost.observe_pass(s.fed, s.cached, s.seconds)
+
+
 def _implied_passes(stats: DecodeStats, steps: list[Step]) -> list[tuple[int, int]]:
     """(fed, cached) of each target pass as the stats imply them.
 
@@ -434,22 +433,22 @@ def test_steps_say_what_each_pass_fed(chat_pair):
     assert stats.forced_tokens > 0 and not all(s.target_pass for s in steps)  # the grammar call
 
 
-def test_refresh_uses_only_baseline_like_passes():
+def test_the_cost_model_learns_only_from_baseline_like_passes():
     cost = CostModel(**ROUND)
     decode_at_100 = 0.05 + 0.001 * 100
-    cost.refresh([_pass(1, 100, 0, 2 * decode_at_100)] * 50)  # plain passes twice as slow as fitted
+    _observe(cost, [_pass(1, 100, 0, 2 * decode_at_100)] * 50)  # plain passes twice as slow as fitted
     assert cost.decode_scale == pytest.approx(2.0, rel=0.01) and cost.prefill_scale == 1.0
     before = (cost.decode_scale, cost.prefill_scale)
     # a verify pass (k+1 tokens cost more than one, with more work around it), a short pass from
     # scratch (mostly fixed cost), a step the grammar alone made (no pass): none is used
     no_pass = dataclasses.replace(_pass(1, 100, 0, 9.0), target_pass=False)
-    cost.refresh([_pass(4, 100, 3, 9.0), _pass(8, 0, 0, 9.0), no_pass])
+    _observe(cost, [_pass(4, 100, 3, 9.0), _pass(8, 0, 0, 9.0), no_pass])
     assert (cost.decode_scale, cost.prefill_scale) == before
-    cost.refresh([_pass(100, 0, 0, 0.5 * (0.1 + 0.01 * 100))] * 20)  # a from-scratch prefill at half
+    _observe(cost, [_pass(100, 0, 0, 0.5 * (0.1 + 0.01 * 100))] * 20)  # a from-scratch prefill at half
     assert cost.prefill_scale == pytest.approx(0.5, rel=0.01)
     # a pass over 33 tokens (3 of them drafts) after 50 cached ones is a prefill as well, here at half
     cost.p2 = 1e-5  # its attention term: 33^2 + 2 * 33 * 50 pairs
-    cost.refresh([_pass(33, 50, 3, 0.5 * (0.1 + 0.01 * 33 + 1e-5 * (33 * 33 + 2 * 33 * 50)))] * 5)
+    _observe(cost, [_pass(33, 50, 3, 0.5 * (0.1 + 0.01 * 33 + 1e-5 * (33 * 33 + 2 * 33 * 50)))] * 5)
     assert cost.prefill_scale == pytest.approx(0.5, rel=0.01)
     assert cost.prefill_s(33, 50) == pytest.approx(0.5 * (0.1 + 0.33 + 1e-5 * (33 * 33 + 3300)), rel=1e-3)
 
@@ -458,13 +457,13 @@ def test_a_prior_is_rescaled_by_the_first_passes():
     cost = CostModel.for_device("cpu")
     assert cost.prior and cost.source == "prior" and cost.scales() == (1.0, 1.0)
     decode = cost.d0 + cost.d1 * 100
-    cost.refresh([_pass(1, 100, 0, 30 * decode)])  # 30x the prior: its size was a guess
+    _observe(cost, [_pass(1, 100, 0, 30 * decode)])  # 30x the prior: its size was a guess
     assert cost.decode_scale == pytest.approx(30.0) and cost.source == "prior"
     assert cost.scales() == pytest.approx((30.0, 30.0))  # the unseen prefill term borrows it
     prefill = cost.p0 + cost.p1 * 200 + cost.p2 * 200 * 200
-    cost.refresh([_pass(200, 0, 0, 10 * prefill)])
+    _observe(cost, [_pass(200, 0, 0, 10 * prefill)])
     assert cost.scales() == pytest.approx((10.0, 30.0)) and cost.source == "observed"
-    cost.refresh([_pass(1, 100, 0, 3000 * decode)])  # a pause: clipped to 5x the scale so far
+    _observe(cost, [_pass(1, 100, 0, 3000 * decode)])  # a pause: clipped to 5x the scale so far
     assert cost.decode_scale == pytest.approx(30.0 + (150.0 - 30.0) / 2)  # the mean of two passes
     assert CostModel.for_device("cuda").source == "prior" and CostModel(**ROUND).source == "calibrated"
 

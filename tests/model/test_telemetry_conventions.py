@@ -22,8 +22,9 @@ from scripted_calls import WholeCall, now
 
 import agentspec
 from agentspec.cache import PrefixCache
+from agentspec.decode import run
 from agentspec.models import ModelPair, ensure_default_model
-from agentspec.telemetry import Telemetry
+from agentspec.telemetry import CallInfo, Telemetry
 from agentspec.telemetry import attributes as A
 from langchain_agentspec import ChatSpecDecode
 
@@ -207,12 +208,12 @@ def test_capture_content_on_the_telemetry_overrides_the_env_var(chat_pair, otel,
     request = agentspec.chat.prepare(chat_pair.tokenizer, [{"role": "user", "content": "hi"}])
     for capture in (False, True):
         call = Telemetry(providers["tracer_provider"], capture_content=capture).call(
-            chat_pair, "m", None, streamed=False, request=request
+            CallInfo("m", None, request=request)
         )
-        steps = call.watch(agentspec.stream(chat_pair, request.prompt.ids, "none", max_new_tokens=2))
+        steps = run(chat_pair, request.prompt.ids, "none", max_new_tokens=2)
         text = "".join(step.text for step in steps)
         call.reply(text, [])
-        call.end()
+        call.end(steps.close())
     off, on = exporter.get_finished_spans()
     assert not [name for name in CONTENT if name in off.attributes]
     assert json.loads(on.attributes[A.INPUT_MESSAGES]) == [

@@ -21,6 +21,7 @@ import agentspec
 from agentspec import Draft, ModelPair
 from agentspec import grammar as G
 from agentspec.cache import PrefixCache
+from agentspec.cost import DEFAULT_VERIFY_COST, VerifyCost, isotonic
 from agentspec.decode import DEFAULT_DRAFT_CAP
 from agentspec.drafters import (
     Calibration,
@@ -31,10 +32,9 @@ from agentspec.drafters import (
     ModelDrafter,
     SuffixDrafter,
     SuffixStore,
-    VerifyCost,
     build_drafter,
 )
-from agentspec.drafters.schedule import DEFAULT_VERIFY_COST, best_length, isotonic, survival, worth_extending
+from agentspec.drafters.schedule import best_length, survival, worth_extending
 from agentspec.drafters.suffix import SuffixIndex
 from agentspec.stats import DecodeStats
 from agentspec.telemetry.attributes import source_attributes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentspec.telemetry.latency import CostModel, _fit_prefill
+from agentspec.cost import CostModel, _fit_prefill
 
 
 @pytest.mark.parametrize(

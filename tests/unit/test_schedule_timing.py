@@ -2,15 +2,14 @@
 
 import torch
 
-from agentspec.drafters.schedule import (
+from agentspec.cost import (
     CUDA_DRAFT_STEP,
     CUDA_VERIFY_COST,
     DEFAULT_DRAFT_STEP,
     DEFAULT_VERIFY_COST,
-    DeviceClock,
-    PassTimer,
     VerifyCost,
 )
+from agentspec.drafters.schedule import DeviceClock, PassTimer
 
 
 def test_priors_follow_the_device_kind():
@@ -61,10 +60,12 @@ def test_timings_wait_for_the_device_and_keep_their_order():
     assert sorted(cost.times) == [2, 3] and len(cost.draft_times) == 1
 
 
-def test_a_pairs_drafting_memories_start_from_its_device_priors(target, tokenizer):
-    from agentspec.drafters.hybrid import DraftMemories
+def test_a_pairs_verify_cost_starts_from_its_device_priors_and_is_shared_by_its_namespaces(target, tokenizer):
+    from agentspec.cost import PairCost
     from agentspec.models import ModelPair
 
-    assert DraftMemories(torch.device("cuda")).get("tenant").cost.prior == CUDA_VERIFY_COST
+    assert PairCost(torch.device("cuda")).verify.prior == CUDA_VERIFY_COST
     pair = ModelPair(target, tokenizer)
-    assert pair.draft_memory.get().cost.prior == DEFAULT_VERIFY_COST  # the tiny target is on the CPU
+    assert pair.cost.verify.prior == DEFAULT_VERIFY_COST  # the tiny target is on the CPU
+    # what a pass costs is the pair's, not a tenant's: every namespace's memory prices with it
+    assert pair.draft_memory.get().cost is pair.cost.verify is pair.draft_memory.get("tenant").cost

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -197,7 +196,7 @@ def _steps(texts: list[str], last_reason: str | None, stats: DecodeStats) -> lis
     return steps
 
 
-def test_reply_deltas_hold_markup_and_stop_after_the_one_wanted_call():
+def test_reply_deltas_hold_markup_and_end_with_the_loops_finish():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
@@ -207,7 +206,7 @@ def test_reply_deltas_hold_markup_and_stop_after_the_one_wanted_call():
     stats = DecodeStats()
     out = list(
         reply_deltas(
-            free, _steps(["Hello", " <tool", "_call>", '{"name": "f"}', "</tool_call>"], "stop", stats), 0.0
+            free, _steps(["Hello", " <tool", "_call>", '{"name": "f"}', "</tool_call>"], "stop", stats)
         )
     )
     # the tag (and the space before it) is never shown; steps that add nothing to show give no delta
@@ -216,13 +215,15 @@ def test_reply_deltas_hold_markup_and_stop_after_the_one_wanted_call():
     (call,) = out[1].calls
     assert call["function"] == {"name": "f", "arguments": "{}"} and out[1].first_index == 0
 
-    named = prepare(tokenizer, messages, [tool], "f", constrained=False)  # one call wanted
+    # one call wanted: the fitted config makes the closing tag a stop string, so the loop finishes
+    # there (the tag cut from the text, as for any stop string) and the deltas end with its finish
+    named = prepare(tokenizer, messages, [tool], "f", constrained=False)
+    assert named.single  # PreparedRequest.fitted adds the closing tag to the stop strings
     stats = DecodeStats()
-    texts = ["<tool_call>", '{"name": "f"}', "</tool_call>", "never read"]
-    out = list(reply_deltas(named, _steps(texts, None, stats), time.perf_counter()))
-    assert out[-1].finish_reason == "stop" == stats.finish_reason and stats.total_time_s >= 0
+    out = list(reply_deltas(named, _steps(["<tool_call>", '{"name": "f"}', ""], "stop", stats)))
+    assert out[-1].finish_reason == "stop" and all(d.finish_reason is None for d in out[:-1])
     assert [c["function"]["name"] for d in out for c in d.calls] == ["f"]
-    assert "never read" not in "".join(d.text for d in out)
+    assert "".join(d.text for d in out) == ""  # the markup is never text
 
 
 @pytest.fixture(scope="module")

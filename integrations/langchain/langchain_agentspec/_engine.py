@@ -52,9 +52,9 @@ def installed() -> bool:
 
 def drafter_names() -> tuple[str, ...]:
     engine()
-    from agentspec.decode import DRAFTER_NAMES
+    from agentspec.drafters import NAMES
 
-    return DRAFTER_NAMES
+    return NAMES
 
 
 def default_model_name() -> str:

@@ -1,7 +1,8 @@
 """``ChatSpecDecode``: a LangChain chat model over agentspec's decoding loop.
 
-One path: ``_stream`` prepares the request with ``agentspec.chat`` (the messages converted to the
-OpenAI format), runs ``agentspec.stream`` and turns its steps into chunks (the engine is imported
+One path: ``_stream`` prepares the request with ``agentspec.chat.prepare_call`` (the messages
+converted to the OpenAI format), decodes it with ``agentspec.chat.run`` (the server's two calls too)
+and turns its deltas into chunks (the engine is imported
 there, on the first local call, through ``_engine``: building the model and binding tools need no
 torch); ``_generate`` only aggregates ``_stream`` (so tool calls, usage and metadata are the same
 on both), and ``_astream`` runs ``_stream`` on one worker thread (the pair's lock must be released
@@ -27,7 +28,6 @@ import asyncio
 import contextvars
 import dataclasses
 import threading
-import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -50,8 +50,9 @@ from langchain_agentspec.messages import to_openai_messages
 from langchain_agentspec.structured import openai_response_format, structured_parser
 
 if TYPE_CHECKING:  # the engine is imported on first local use, through _engine
-    from agentspec import Constraint, GenerationConfig, ModelPair
-    from agentspec.chat import PreparedRequest
+    from agentspec import GenerationConfig, ModelPair
+    from agentspec.chat import ChatCall
+    from agentspec.decode import CallRecord
     from agentspec.stats import DecodeStats
     from agentspec.telemetry import Telemetry
     from langchain_agentspec.remote import Remote
@@ -101,11 +102,8 @@ def _chunk_of_call(call: dict, index: int) -> dict:
 class _Call:
     """One request, prepared: what ``_stream`` runs."""
 
-    pair: ModelPair
-    request: PreparedRequest  # prompt ids, the reply's grammar and forced start, its tools
-    config: GenerationConfig  # the call's options, the request's stop strings and room included
+    call: ChatCall  # the pair, the prepared request, its fitted config and compiled grammar
     prefix_cache: Any  # agentspec.stream's prefix_cache: True, False or a PrefixCache
-    grammar: Constraint | None  # the reply's grammar, compiled for the pair
     drafter: Any
 
 
@@ -545,11 +543,11 @@ class ChatSpecDecode(BaseChatModel):
         overrides = dict(kwargs)
         if stop is not None:
             overrides["stop"] = stop
-        config = self._generation_config(overrides)
-        pair = self.load()
-        request = _engine.engine().chat.prepare(
-            pair.tokenizer,
+        chat = _engine.engine().chat
+        call = chat.prepare_call(  # rendered, fitted to the context, its grammar compiled
+            self.load(),
             to_openai_messages(messages),
+            self._generation_config(overrides),
             tools,
             tool_choice,
             response_format,
@@ -557,10 +555,8 @@ class ChatSpecDecode(BaseChatModel):
             constrained=constrained,
             prefill=self._prefill(messages, tools, tool_choice),
         )
-        config = request.fitted(pair, config)  # its stop strings, and the room the context leaves
         prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
-        grammar = request.constraint(pair) if request.grammar is not None else None
-        return _Call(pair, request, config, prefix_cache, grammar, overrides.get("drafter", self.drafter))
+        return _Call(call, prefix_cache, overrides.get("drafter", self.drafter))
 
     def _stream(
         self,
@@ -590,28 +586,31 @@ class ChatSpecDecode(BaseChatModel):
         except Exception as exc:
             self._trace(None, run_manager, streamed, exc)
             raise
-        start = time.perf_counter()
         errors: dict[str, str] = {}  # invalid call id -> why (chunk merging drops the error field)
         response_id = agentspec.chat.new_response_id()  # the span's gen_ai.response.id, and the reply's
         # a span and metrics (no-ops without an OpenTelemetry SDK), told the reply as parsed at the end
         trace = self._trace(call, run_manager, streamed, response_id=response_id)
         texts: list[str] = []
         made: list[dict] = []  # the reply's calls (valid or not), OpenAI format
-        ids, config = call.request.prompt.ids, call.config
-        steps = trace.watch(
-            agentspec.stream(call.pair, ids, call.drafter, call.prefix_cache, call.grammar, config=config)
-        )
+        # the same run agentspec serve answers with (agentspec.chat.run)
+        deltas = agentspec.chat.run(call.call, call.drafter, call.prefix_cache)
+        name = call.call.pair.name
         try:
-            # the same deltas agentspec serve answers with (agentspec.chat.reply_deltas)
-            for delta in agentspec.chat.reply_deltas(call.request, steps, start):
+            for delta in deltas:
                 errors.update((c["id"], c["error"]) for c in delta.calls if "error" in c)
                 texts.append(delta.text)
                 made += delta.calls
                 calls = [_chunk_of_call(c, delta.first_index + i) for i, c in enumerate(delta.calls)]
-                reason = delta.finish_reason
-                chunk = self._chunk(
-                    delta.text, calls, reason, delta.stats, call.pair.name, errors, response_id
-                )
+                if delta.finish_reason is not None:
+                    # the last chunk carries the call's record: close first (the cache saved)
+                    record = deltas.close()
+                    chunk = self._last_chunk(
+                        delta.text, calls, delta.finish_reason, record, name, errors, response_id
+                    )
+                else:
+                    chunk = ChatGenerationChunk(
+                        message=AIMessageChunk(content=delta.text, tool_call_chunks=calls)
+                    )
                 if run_manager is not None:
                     run_manager.on_llm_new_token(delta.text, chunk=chunk)
                 yield chunk
@@ -619,28 +618,35 @@ class ChatSpecDecode(BaseChatModel):
             trace.fail(exc)
             raise
         finally:
-            steps.close()  # releases the pair's lock (and lets the core save its cache) early
+            record = deltas.close()  # releases the pair's lock (and lets the core save its cache) early
             trace.reply("".join(texts), made)
-            trace.end()
+            trace.end(record)
 
-    def _chunk(
+    def _last_chunk(
         self,
         text: str,
         calls: list,
-        reason: str | None,
-        stats: DecodeStats,
+        reason: str,
+        record: CallRecord,
         model_name: str,
         errors: dict,
         response_id: str,
     ) -> ChatGenerationChunk:
-        if reason is None:
-            return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls))
+        stats = record.stats
         metadata = {
             "id": response_id,  # the span's gen_ai.response.id: a reply found from its trace, and back
             "model_name": model_name,
             "finish_reason": reason,
             "speculative": _engine.engine().chat.speculative_metadata(stats),
             "stats": stats.as_dict(),
+            # the span's figures, from the same record: time inside the decoder, the plain-decoding
+            # estimate and their difference (agentspec.cost)
+            "latency": {
+                "decode_s": record.decode_s,
+                "baseline_s": record.baseline_s,
+                "latency_saved_s": record.latency_saved_s,
+                "cost_source": record.cost_source,
+            },
         }
         if errors:
             metadata["tool_call_errors"] = errors
@@ -774,17 +780,19 @@ class ChatSpecDecode(BaseChatModel):
         (``_run.parent_context``); its ``gen_ai.conversation.id`` is the run's thread or session id
         (``_run.run_conversation_id``).
         """
-        trace = self._tracing().call(
-            call.pair if call is not None else None,
+        telemetry = _engine.engine().telemetry
+        chat = call.call if call is not None else None
+        info = telemetry.CallInfo(
             self.model_name,
-            call.config if call is not None else None,
+            chat.config if chat is not None else None,
             call.prefix_cache if call is not None else True,
             streamed=streamed,
             parent=parent_context(run_manager),
             conversation_id=run_conversation_id(run_manager),
             response_id=response_id,
-            request=call.request if call is not None else None,
+            request=chat.request if chat is not None else None,
         )
+        trace = self._tracing().call(info)
         if error is not None:
             trace.fail(error)
             trace.end()

@@ -1,0 +1,90 @@
+"""Every drafter a name builds: ``NAMES``, the ``DEFAULT`` and ``build_drafter``, from one table.
+
+``agentspec.stream(drafter=...)``, the chat model's and the server's ``drafter`` option and the CLI's
+``--drafter`` all take these names; an unknown name is refused here with the list. A name's drafter
+is built afresh per call, on the pair's drafting memory of the call's namespace
+(``ModelPair.draft_memory``), and "none" builds nothing: the target decodes alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from agentspec.drafters.base import Drafter
+from agentspec.drafters.hybrid import DraftMemories, DraftMemory, HybridDrafter
+from agentspec.drafters.model import ModelDrafter
+from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+from agentspec.drafters.schedule import ConfidenceSchedule
+from agentspec.drafters.suffix import SuffixDrafter
+
+
+class DraftSource(Protocol):
+    """What a drafter is built from: the pair (``agentspec.models.ModelPair``) as drafters see it."""
+
+    target: Any  # the target model (its vocabulary size)
+    draft: Any  # the draft model, or None
+    draft_memory: DraftMemories
+
+    def draft_state(self) -> Any: ...  # the draft's static KV state, or None for a dynamic cache
+
+
+def _vocab(pair: DraftSource) -> int:
+    return pair.target.config.vocab_size
+
+
+def _needs_draft(pair: DraftSource, name: str) -> None:
+    if pair.draft is None:
+        raise ValueError(f"drafter={name!r} needs a pair loaded with a draft_model")
+
+
+def _scheduled(pair: DraftSource, memory: DraftMemory) -> ModelDrafter:
+    """The draft model under its confidence schedule, learning into ``memory``."""
+    schedule = ConfidenceSchedule(memory.model_calibration, memory.cost)
+    return ModelDrafter(pair.draft, _vocab(pair), schedule, "model_scheduled", pair.draft_state())
+
+
+def _auto(pair: DraftSource, memory: DraftMemory) -> Drafter:
+    return HybridDrafter(memory, model=_scheduled(pair, memory) if pair.draft is not None else None)
+
+
+def _model(pair: DraftSource, memory: DraftMemory) -> Drafter:
+    _needs_draft(pair, "model")
+    return ModelDrafter(pair.draft, vocab_size=_vocab(pair), state=pair.draft_state())
+
+
+def _model_scheduled(pair: DraftSource, memory: DraftMemory) -> Drafter:
+    _needs_draft(pair, "model_scheduled")
+    return _scheduled(pair, memory)
+
+
+# name -> its builder (None: no drafter). The order is the one error messages and docs list.
+BUILDERS: dict[str, Callable[[DraftSource, DraftMemory], Drafter] | None] = {
+    # the suffix draft or the scheduled draft model's, whichever is worth more per pass (hybrid.py)
+    "auto": _auto,
+    "model": _model,  # the draft model, a fixed number of tokens per pass
+    "model_scheduled": _model_scheduled,  # the draft model under its confidence schedule
+    "suffix": lambda pair, memory: SuffixDrafter(memory.store),  # the prompt and earlier outputs
+    "prompt_lookup": lambda pair, memory: PromptLookupDrafter(),  # n-grams of the context
+    "none": None,  # the target alone
+}
+NAMES: tuple[str, ...] = tuple(BUILDERS)
+DEFAULT = "auto"  # what a call that names no drafter gets
+
+
+def check_name(name: Any) -> str:
+    """``name`` if it names a drafter (None: the default); else a ValueError listing the names."""
+    if name is None:
+        return DEFAULT
+    if isinstance(name, str) and name in BUILDERS:
+        return name
+    raise ValueError(f"drafter: expected one of {NAMES} or a Drafter, got {name!r}")
+
+
+def build_drafter(pair: DraftSource, name: str | None, memory: DraftMemory | None = None) -> Drafter | None:
+    """The drafter called ``name`` for ``pair`` (None for "none"); learned state comes from
+    ``memory`` (default: the pair's default namespace)."""
+    builder = BUILDERS[check_name(name)]
+    if builder is None:
+        return None
+    return builder(pair, memory if memory is not None else pair.draft_memory.get())
