@@ -21,7 +21,9 @@ Invariants (checked by ``check``):
 - each tier's ``bytes_used`` is the sum of the segment bytes of its nodes and never exceeds its
   ``budget`` after an insert or lookup returns, except by nodes another lookup holds;
 - nodes with ``lock_ref > 0`` (being restored) are never moved or evicted;
-- a tier's ``evictable`` holds exactly its nodes with ``lock_ref`` 0 and no child in that tier.
+- a tier's ``evictable`` holds exactly its nodes with ``lock_ref`` 0 and no child in that tier;
+- every root has a child: a namespace whose last node goes (evicted, or ``drop``) loses its root,
+  so a tree that has seen many namespaces holds roots only for those with entries.
 
 Thread-safe: one re-entrant lock guards the tree. Keys of different model pairs never mix: each
 namespace has its own root.
@@ -102,6 +104,7 @@ class Node:
     tier: Tier | None = None  # where kv lives (None: a root, which holds nothing)
     lock_ref: int = 0
     last_access: int = 0  # the tree's clock at the last lookup or insert through this node
+    namespace: Hashable = None  # a root's key in ``RadixCache.roots`` (to remove it once empty)
 
     @property
     def nbytes(self) -> int:
@@ -272,7 +275,9 @@ class RadixCache:
         positions. Then evicts least recently used nodes until the budgets hold.
         """
         with self.lock:
-            root = self.roots.setdefault(namespace, Node())
+            root = self.roots.get(namespace)
+            if root is None:
+                root = self.roots[namespace] = Node(namespace=namespace)
             node, pos, added = root, 0, 0
             tick = next(self.clock)
             while pos < len(ids):
@@ -296,6 +301,8 @@ class RadixCache:
                 child.last_access = tick
                 node, pos = child, pos + n
             self._evict()
+            if not root.children:  # nothing inserted (no ids), or this namespace was evicted whole
+                self._drop_root(root)
             return added
 
     def _split(self, node: Node, n: int) -> Node:
@@ -359,6 +366,27 @@ class RadixCache:
         node.tier.bytes_used -= node.nbytes
         self.evictions += 1
         node.kv.clear()
+        if parent.parent is None and not parent.children:  # the namespace's last entry
+            self._drop_root(parent)
+
+    def _drop_root(self, root: Node) -> None:
+        if self.roots.get(root.namespace) is root:
+            del self.roots[root.namespace]
+
+    def drop(self, namespace: Hashable) -> None:
+        """Drop every unlocked entry of ``namespace`` (and its root, once it holds none)."""
+        with self.lock:
+            root = self.roots.get(namespace)
+            if root is None:
+                return
+            stack, leaves = list(root.children.values()), []
+            while stack:  # children before parents: each is a leaf when its turn comes
+                nd = stack.pop()
+                leaves.append(nd)
+                stack.extend(nd.children.values())
+            for nd in reversed(leaves):
+                if nd.lock_ref == 0 and not nd.children:
+                    self._remove(nd)
 
     def evict_all(self) -> None:
         """Drop every unlocked entry (e.g. to free memory before retrying after an OOM)."""
@@ -384,6 +412,8 @@ class RadixCache:
         """Assert the invariants in the module docstring."""
         with self.lock:
             totals = {id(t): 0 for t in self.tiers}
+            for ns, root in self.roots.items():
+                assert root.children and root.namespace == ns, f"{ns=} {len(root.children)=}"
             for nd in self._nodes():
                 assert nd.tier in self.tiers, f"{nd.tier=}"
                 assert nd.parent is not None

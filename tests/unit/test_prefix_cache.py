@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import agentspec
 import agentspec.kv
 from agentspec.cache import PrefixCache, RadixCache
+from agentspec.cache.radix import segment_bytes
 from agentspec.models import ModelPair
 
 VOCAB = 64
@@ -294,6 +295,40 @@ def test_heap_eviction_evicts_what_a_rescan_evicts(ops, budget):
         assert spelled(heap) == spelled(rescan), f"{op=} {ids=}"
         assert heap.evictions == rescan.evictions and heap.bytes_used == rescan.bytes_used
         heap.check()
+
+
+def test_a_namespace_emptied_leaves_no_root():
+    tree = RadixCache(budget_bytes=10**9)
+    tree.insert("a", [1, 2, 3], "target", fake_kv([1, 2, 3]))
+    tree.insert("a", [1, 2, 4], "target", fake_kv([1, 2, 4]))
+    tree.insert("b", [5, 6], "target", fake_kv([5, 6]))
+    tree.insert("c", [], "target", [])  # nothing to hold: no root made
+    assert set(tree.roots) == {"a", "b"}
+    tree.device.budget = tree.bytes_used  # one token more: the least recently used, "a"'s [3], goes
+    tree.insert("b", [5, 6, 7], "target", fake_kv([5, 6, 7]))
+    assert set(tree.roots) == {"a", "b"} and tree.lookup("a", [1, 2, 4], ["target"])[0] == 3
+    tree.check()
+    tree.device.budget = segment_bytes(fake_kv([5, 6, 7]))  # room for "b" alone: "a" is evicted whole
+    tree.insert("b", [5, 6, 7], "target", fake_kv([5, 6, 7]))
+    assert set(tree.roots) == {"b"}
+    tree.check()
+    tree.drop("b")
+    assert tree.roots == {} and tree.bytes_used == 0
+    tree.check()
+
+
+def test_dropping_a_namespace_keeps_what_a_restore_holds():
+    tree = RadixCache(budget_bytes=10**9)
+    tree.insert("a", [1, 2, 3], "target", fake_kv([1, 2, 3]))
+    tree.insert("a", [1, 2, 4], "target", fake_kv([1, 2, 4]))
+    match = tree._match("a", [1, 2, 3], ["target"])  # a restore in progress holds [1, 2, 3]
+    tree.drop("a")
+    assert len(tree) == 2 and "a" in tree.roots  # [1, 2] and [3] are held; [4] went
+    tree._release(match)
+    tree.check()
+    tree.drop("a")
+    assert tree.roots == {}
+    tree.check()
 
 
 def test_namespaces_never_read_each_others_entries(models):
