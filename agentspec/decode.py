@@ -30,8 +30,8 @@ from agentspec.config import GenerationConfig
 from agentspec.cost import baseline_seconds
 from agentspec.drafters import Draft, Drafter
 from agentspec.drafters.base import Adopted, DrafterLike
-from agentspec.drafters.health import DraftHealth
 from agentspec.drafters.registry import build_drafter, check_name
+from agentspec.drafters.tenants import TenantStore
 from agentspec.grammar import Constraint, Grammar, apply_bitmask
 from agentspec.kv import ModelState, PassIds, to_device
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
@@ -85,14 +85,14 @@ def resolve_drafter(
 ) -> Drafter | None:
     """A drafter instance from a name (``agentspec.drafters.NAMES``; None: the default, "auto") or an
     instance (a ``Drafter`` subclass's). A drafter built from a name learns into the pair's drafting
-    memory for ``namespace`` (``pair.draft_memory``)."""
+    memory for ``namespace`` (``pair.tenants``)."""
     if not speculative:
         return None
     if isinstance(drafter, Drafter):
         return drafter
     if isinstance(drafter, DrafterLike):  # written to the earlier Protocol: name, propose, feedback, reset
         return Adopted(drafter)
-    return build_drafter(pair, check_name(drafter), pair.draft_memory.get(namespace))
+    return build_drafter(pair, check_name(drafter), pair.tenants.memory(namespace))
 
 
 class ContextLengthExceeded(ValueError):
@@ -242,6 +242,7 @@ class _Call:
     deadline: float | None  # ``time.perf_counter()`` past which no further pass starts (None: no limit)
     out: list[int] = field(default_factory=list)  # the output so far
     passes: int = 0  # steps yielded so far
+    draft_oom: bool = False  # the drafter was dropped out of memory: a failure of the pair's, not the call's
 
     @property
     def vocab(self) -> int:
@@ -252,6 +253,7 @@ class _Call:
         return self.constraint is not None and self.config.jump_forward
 
     def drop(self, exc: Exception) -> None:
+        self.draft_oom = is_oom(exc)
         self.drafter = _drop(self.drafter, exc, self.stats)
 
 
@@ -531,22 +533,25 @@ def _config(options: dict) -> GenerationConfig:
     return config if config is not None else GenerationConfig(**options)
 
 
-def _ready(health: DraftHealth, d: Drafter | None, key: str | None) -> tuple[Drafter | None, str | None]:
+def _ready(
+    tenants: TenantStore, namespace: str | None, d: Drafter | None, key: str | None
+) -> tuple[Drafter | None, str | None]:
     """The drafter for this call, reset, or None; and the name of one sitting out its cool-down.
 
-    Drafters named by string are built afresh per call, so their failures are counted per pair and
-    name (``key``; ``agentspec.drafters.health``); a Drafter instance passed in is the caller's own.
+    Drafters named by string are built afresh per call, so their failures are counted by name
+    (``key``) in the call's namespace, or the pair's when out of memory (``agentspec.drafters.tenants``);
+    a Drafter instance passed in is the caller's own.
     """
     if d is None:
         return None, None
-    if key is not None and not health.allow(key):  # it kept failing: the target alone, for a while
+    if key is not None and not tenants.allow(namespace, key):  # it kept failing: the target alone, a while
         return None, key
     try:
         d.reset()
     except Exception as exc:
         log.warning("drafter %s failed to reset (%r); decoding without it", d.name, exc)
         if key is not None:
-            health.record(key, failed=True)
+            tenants.record(namespace, key, failed=True, oom=is_oom(exc))
         return None, None
     return d, None
 
@@ -605,25 +610,27 @@ def stream(
 
     ``namespace`` keeps tenants apart: it picks the prefix cache's namespace (a call restores only
     what calls of its own namespace saved) and the drafting memory of earlier outputs
-    (``pair.draft_memory``) that a drafter named by string drafts from and adds to, so one
-    namespace's prompts never speed up another's calls (None: the default, shared by every call that
-    names none). Outputs are the same either way.
+    (``pair.tenants``) that a drafter named by string drafts from and adds to, so one namespace's
+    prompts never speed up another's calls, and a drafter's failures other than out of memory rest it
+    in that namespace only (None: the default, shared by every call that names none). Outputs are
+    the same either way.
     """
     config = _config(options)
     d = resolve_drafter(pair, drafter, config.speculative, namespace)
     cache = _pick_cache(pair, prefix_cache)
-    # the drafter's name in pair.draft_health (built from a name, so its failures are the pair's)
+    # the drafter's name in pair.tenants' health records (built from a name: not the caller's own)
     key = check_name(drafter) if drafter is None or isinstance(drafter, str) else None
     deadline = _deadline(config)
     with _holding(pair.lock, config.timeout):
         ids = check_prompt(pair, prompt_ids)
-        d, resting = _ready(pair.draft_health, d, key)
+        d, resting = _ready(pair.tenants, namespace, d, key)
         target = _restore(pair, cache, ids, d, namespace) if cache is not None else ModelState(pair.target)
         ended = False  # finished, or closed by the caller: not failed
-        stats = None
+        stats = call = None
         try:
             free = cache.clear if cache is not None else None
-            for step in _passes(_begin(pair, ids, config, d, target, grammar, free, deadline)):
+            call = _begin(pair, ids, config, d, target, grammar, free, deadline)
+            for step in _passes(call):
                 if stats is None:  # one DecodeStats per call, shared by its steps
                     stats = step.stats
                     stats.draft_cooldown = resting
@@ -634,7 +641,7 @@ def stream(
             raise
         finally:
             if d is not None and key is not None and stats is not None:
-                pair.draft_health.record(key, failed=stats.draft_failures > 0)
+                pair.tenants.record(namespace, key, stats.draft_failures > 0, call.draft_oom)
             if cache is not None:
                 written = _save(pair, cache, target, d, ended, namespace)
                 if stats is not None:  # the new positions are the last ones: count those in the prompt

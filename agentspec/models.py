@@ -30,8 +30,7 @@ import torch
 from agentspec.attention import use_grouped_sdpa
 from agentspec.cost import PairCost
 from agentspec.drafters.eagle import is_eagle
-from agentspec.drafters.health import DraftHealth
-from agentspec.drafters.hybrid import DraftMemories
+from agentspec.drafters.tenants import TenantStore
 from agentspec.grammar import GrammarCompiler
 from agentspec.kv import WeightFirst
 from agentspec.static_kv import StaticState
@@ -217,14 +216,14 @@ class ModelPair:
     draft_cache: str = "dynamic"
     # serialises model access: one call decodes at a time per loaded pair
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
-    # drafters that keep failing sit out a cool-down of calls (agentspec.drafters.health)
-    draft_health: DraftHealth = field(default_factory=DraftHealth, repr=False, compare=False)
     # what the target's passes cost here (agentspec.cost): the drafting schedule's verify curve and
     # the latency-saved baseline's curve, taught by every pass the loop runs; built with the pair,
     # its priors are those of the target's device kind
     cost: PairCost = field(init=False, repr=False, compare=False)
-    # what drafting learned from earlier calls (outputs, calibrations), one per namespace key
-    draft_memory: DraftMemories = field(init=False, repr=False, compare=False)
+    # what the pair keeps per namespace, under a byte budget (agentspec.drafters.tenants): what
+    # drafting learned from earlier calls (outputs, calibrations) and drafters' failures and
+    # cool-downs, and the pair's own record of the failures that are its (out of memory)
+    tenants: TenantStore = field(init=False, repr=False, compare=False)
 
     # built with the pair, not passed in:
     # the large linears of target and draft that compute verify passes weight-first, found once
@@ -242,7 +241,7 @@ class ModelPair:
         self.weight_first = WeightFirst(*(m for m in (self.target, self.draft) if m is not None))
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.cost = PairCost(self.device if self.target is not None else None)
-        self.draft_memory = DraftMemories(self.cost.verify)
+        self.tenants = TenantStore(self.cost.verify)
         if self.draft_cache not in DRAFT_CACHES:
             raise ValueError(f"draft_cache: expected one of {DRAFT_CACHES}, got {self.draft_cache!r}")
 

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = reply.response_metadata["stats"]
         out = stats["output_tokens"]
         decode_s = stats["total_time_s"] - (stats["time_to_first_token_s"] or 0.0)
-        store = pair.draft_memory.get().store.index
+        store = pair.tenants.memory().store.index
         rows.append({
             "call": n,
             "session": call["session"],

@@ -1,13 +1,16 @@
-"""A drafter that keeps failing is rested: a cool-down across the calls of one pair.
+"""A drafter that keeps failing is rested: a cool-down across calls.
 
 A drafter exception never changes an answer (the loop carries on with the target alone, see
 ``decode._drop``), but a drafter that raises on every call still costs time on every call (a draft
-model that runs out of memory, say). ``DraftHealth`` counts, per pair and per drafter chosen by
-name ("auto", "model", ...: built afresh for each call; a Drafter instance passed in is left to its
-owner), the calls in a row in which it failed; after ``threshold`` of them the next ``cooldown`` calls
+model that runs out of memory, say). ``DraftHealth`` counts, per drafter chosen by name ("auto",
+"model", ...: built afresh for each call; a Drafter instance passed in is left to its owner), the
+calls in a row in which it failed; after ``threshold`` of them the next ``cooldown`` calls
 decode without it (``DecodeStats.draft_cooldown`` names it), then it is tried again. A failure on
 that retry doubles the cool-down, up to ``max_cooldown``; a call that drafts without failing
 forgets the past failures.
+
+A pair keeps one per namespace and one for itself (``agentspec.drafters.tenants.TenantStore``): an
+out-of-memory failure is the pair's draft model's, any other only its namespace's.
 """
 
 from __future__ import annotations

@@ -11,18 +11,19 @@ draft model (or neither worth it) the pass verifies no draft. ``DecodeStats.sour
 the choices ("suffix", "model", "none").
 
 What drafting learns about a pair's calls (the suffix tree of earlier outputs, the calibrations)
-lives in a ``DraftMemory`` held by the pair (``ModelPair.draft_memory``, one per namespace key: calls
-of one namespace share it, other namespaces never see it); what a verify pass costs is the pair's
-(``agentspec.cost.VerifyCost``, ``ModelPair.cost.verify``), the same whatever the namespace. Greedy calls read
-and update it; sampled calls only add their outputs to the tree, and draft from
-fresh calibrations and the default cost curve, so a seeded call never depends on earlier calls or
-on timing. Every choice is a function of the verified context (and, for sampled model drafts, of
-the draft's own distributions before each token is drawn): the output is the target's.
+lives in a ``DraftMemory`` held by the pair's store of tenants (``ModelPair.tenants``, one per
+namespace: calls of one namespace share it, other namespaces never see it, and the least recently
+used are dropped over the store's byte budget, see ``agentspec.drafters.tenants``); what a verify
+pass costs is the pair's (``agentspec.cost.VerifyCost``, ``ModelPair.cost.verify``), the same
+whatever the namespace. Greedy calls read and update both; sampled calls only add their outputs to
+the tree, and draft from fresh calibrations and the default cost curve, so a seeded call never
+depends on earlier calls or on timing. Every choice is a function of the verified context (and,
+for sampled model drafts, of the draft's own distributions before each token is drawn): the output
+is the target's.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -68,32 +69,8 @@ class DraftMemory:
     store: SuffixStore = field(default_factory=SuffixStore)  # earlier outputs
     suffix_calibration: Calibration = field(default_factory=lambda: Calibration(_suffix_prior))
     model_calibration: Calibration = field(default_factory=Calibration)
-    # what a verify pass costs: the pair's one VerifyCost in a pair's memories (DraftMemories)
+    # what a verify pass costs: in a pair's memories, the pair's one VerifyCost (TenantStore.verify)
     cost: VerifyCost = field(default_factory=VerifyCost)
-
-
-class DraftMemories:
-    """A pair's drafting memories, one per namespace key (``None``: the default, shared by every call
-    that names none), so a server can keep one tenant's earlier outputs out of another's drafts.
-
-    Every memory prices passes with the pair's ``verify`` cost. A memory lives as long as its pair;
-    each holds at most ``STORE_TOKENS`` output tokens, and nothing bounds the number of keys: a
-    caller with unbounded keys should reuse a fixed set. No drafting state is process-wide: what is
-    shared is the pair itself (the LangChain adapter hands one loaded pair to every chat model of the
-    same models), and with it the default namespace.
-    """
-
-    def __init__(self, verify: VerifyCost | None = None) -> None:
-        self.verify = verify if verify is not None else VerifyCost()
-        self._lock = threading.Lock()
-        self._memories: dict[str | None, DraftMemory] = {}
-
-    def get(self, namespace: str | None = None) -> DraftMemory:
-        with self._lock:
-            memory = self._memories.get(namespace)
-            if memory is None:
-                memory = self._memories[namespace] = DraftMemory(cost=self.verify)
-            return memory
 
 
 class HybridDrafter(Drafter):

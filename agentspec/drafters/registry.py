@@ -3,7 +3,7 @@
 ``agentspec.stream(drafter=...)``, the chat model's and the server's ``drafter`` option and the CLI's
 ``--drafter`` all take these names; an unknown name is refused here with the list. A name's drafter
 is built afresh per call, on the pair's drafting memory of the call's namespace
-(``ModelPair.draft_memory``), and "none" builds nothing: the target decodes alone.
+(``ModelPair.tenants``), and "none" builds nothing: the target decodes alone.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from agentspec.drafters.base import Drafter
-from agentspec.drafters.hybrid import DraftMemories, DraftMemory, HybridDrafter
+from agentspec.drafters.hybrid import DraftMemory, HybridDrafter
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 from agentspec.drafters.schedule import ConfidenceSchedule
 from agentspec.drafters.suffix import SuffixDrafter
+from agentspec.drafters.tenants import TenantStore
 
 
 class DraftSource(Protocol):
@@ -24,7 +25,7 @@ class DraftSource(Protocol):
 
     target: Any  # the target model (its vocabulary size)
     draft: Any  # the draft model, or None
-    draft_memory: DraftMemories
+    tenants: TenantStore  # the drafting memory of each namespace
 
     def draft_state(self) -> Any: ...  # the draft's static KV state, or None for a dynamic cache
 
@@ -87,4 +88,4 @@ def build_drafter(pair: DraftSource, name: str | None, memory: DraftMemory | Non
     builder = BUILDERS[check_name(name)]
     if builder is None:
         return None
-    return builder(pair, memory if memory is not None else pair.draft_memory.get())
+    return builder(pair, memory if memory is not None else pair.tenants.memory())

@@ -1,10 +1,12 @@
 """A drafter that keeps failing sits out a cool-down of calls; answers never change.
 
 ``DraftHealth`` as pure bookkeeping, then on a tiny pair whose draft model raises on every forward
-pass (as a draft that runs out of memory would): every call still returns plain decoding's
-tokens, the first three record the failure, the next eight decode with the target alone and say so
-(``stats.draft_cooldown``, the span attribute ``agentspec.draft_cooldown``), the retry after them
-fails again and doubles the rest, and once the draft works again one call clears the record.
+pass out of memory (a failure of the pair's draft model, so the pair's record:
+``pair.tenants.shared``; a namespace's own failures are ``test_tenants.py``'s): every call still
+returns plain decoding's tokens, the first three record the failure, the next eight decode with the
+target alone and say so (``stats.draft_cooldown``, the span attribute ``agentspec.draft_cooldown``),
+the retry after them fails again and doubles the rest, and once the draft works again one call
+clears the record.
 """
 
 from __future__ import annotations
@@ -70,14 +72,14 @@ def test_a_draft_model_that_keeps_failing_sits_out_a_cool_down(target, tokenizer
     }
     assert speculation_attributes(rested[0].stats)[DRAFT_COOLDOWN] == "model"
     assert call() == (1, None)  # tried again after the rest: still failing, so 16 calls now
-    assert pair.draft_health.resting["model"] == 16
+    assert pair.tenants.shared.resting["model"] == 16  # out of memory: the pair's record
     assert call() == (0, "model")
     # other drafters are not held back by the draft model's record
     assert agentspec.generate(pair, prompt, drafter="suffix", **opts).stats.draft_cooldown is None
 
     del broken.forward  # the draft works again: after its rest, one call clears the record
-    pair.draft_health.resting["model"] = 0
+    pair.tenants.shared.resting["model"] = 0
     r = agentspec.generate(pair, prompt, drafter="model", **opts)
     assert r.token_ids == plain and r.stats.draft_failures == 0 and r.stats.draft_tokens > 0
-    assert "model" not in pair.draft_health.failing
+    assert "model" not in pair.tenants.shared.failing
     assert DRAFT_COOLDOWN not in speculation_attributes(r.stats)

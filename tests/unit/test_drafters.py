@@ -309,12 +309,12 @@ def test_the_names_resolve_with_the_pairs_own_memory(pair, cases, name):
 
 def test_memory_is_per_pair_and_namespace(pair, lone, tokenizer, perturbed):
     other = ModelPair(target=pair.target, draft=perturbed(pair.target, 9, 0.1), tokenizer=tokenizer)
-    m = pair.draft_memory.get()
-    assert m is pair.draft_memory.get(None)
-    assert m is not other.draft_memory.get() and m is not lone.draft_memory.get()
-    assert m.store is not other.draft_memory.get().store  # pairs never share what they learned
-    tenant = pair.draft_memory.get("tenant-a")
-    assert tenant is pair.draft_memory.get("tenant-a") and tenant is not m and tenant.store is not m.store
+    m = pair.tenants.memory()
+    assert m is pair.tenants.memory(None)
+    assert m is not other.tenants.memory() and m is not lone.tenants.memory()
+    assert m.store is not other.tenants.memory().store  # pairs never share what they learned
+    tenant = pair.tenants.memory("tenant-a")
+    assert tenant is pair.tenants.memory("tenant-a") and tenant is not m and tenant.store is not m.store
 
 
 def test_a_namespace_keeps_earlier_outputs_apart(lone, cases):
@@ -322,8 +322,8 @@ def test_a_namespace_keeps_earlier_outputs_apart(lone, cases):
     options = {"max_new_tokens": N_NEW, "num_draft_tokens": 8, "prefix_cache": False}
     runs = [agentspec.generate(lone, prompt, "suffix", namespace=ns, **options) for ns in ("a", "a", "b")]
     assert [r.token_ids for r in runs] == [ref] * 3
-    assert lone.draft_memory.get("a").store.tokens == 2 * N_NEW
-    assert lone.draft_memory.get("b").store.tokens == N_NEW
+    assert lone.tenants.memory("a").store.tokens == 2 * N_NEW
+    assert lone.tenants.memory("b").store.tokens == N_NEW
     assert runs[1].stats.accepted_tokens > runs[0].stats.accepted_tokens + N_NEW // 2, [r.stats for r in runs]
     assert runs[2].stats.accepted_tokens < runs[1].stats.accepted_tokens, [r.stats for r in runs]
 

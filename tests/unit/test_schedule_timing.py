@@ -68,4 +68,4 @@ def test_a_pairs_verify_cost_starts_from_its_device_priors_and_is_shared_by_its_
     pair = ModelPair(target, tokenizer)
     assert pair.cost.verify.prior == DEFAULT_VERIFY_COST  # the tiny target is on the CPU
     # what a pass costs is the pair's, not a tenant's: every namespace's memory prices with it
-    assert pair.draft_memory.get().cost is pair.cost.verify is pair.draft_memory.get("tenant").cost
+    assert pair.tenants.memory().cost is pair.cost.verify is pair.tenants.memory("tenant").cost
