@@ -73,7 +73,7 @@ class Server:
         self.engine = engine
         self.keys = {key_id(k): k for k in api_keys if k}
         self.admission = Admission(queue_size)
-        self.metrics = ServerMetrics(engine.model)
+        self.metrics = ServerMetrics(engine.model, engine.pair.tenants)
         # a thread for every admitted request: none waits for a thread, only for the pair's lock
         self.executor = ThreadPoolExecutor(self.admission.limit, thread_name_prefix="agentspec-decode")
         self.jobs: set[Job] = set()
@@ -112,7 +112,7 @@ class Server:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        self.metrics.in_flight.labels(self.engine.model).inc()
+        self.metrics.admitted()
         loop = asyncio.get_running_loop()
         job = Job(
             self.engine,
@@ -130,9 +130,7 @@ class Server:
     def _left(self, job: Job) -> None:
         self.jobs.discard(job)
         self.admission.leave()
-        self.metrics.in_flight.labels(self.engine.model).dec()
-        if job.closed_early:
-            self.metrics.closed_early.labels(self.engine.model).inc()
+        self.metrics.left(job.closed_early)
 
     def finished(self, reply: Reply, last: Delta, record: CallRecord, started: float) -> dict[str, Any]:
         """The response's ``metrics`` of a finished reply, counted in ``/metrics`` too."""

@@ -8,6 +8,7 @@ the embedded tokenizer answers through FastAPI's TestClient where a route is dri
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -258,6 +259,25 @@ def test_routes_errors_and_a_reply_through_the_app(tiny_smol):
         assert text == reply["choices"][0]["message"]["content"]  # greedy: the same reply either way
         metrics = client.get("/metrics", headers=auth).text
         assert 'agentspec_requests_total{model_name="tiny-smol",status="200"} 2.0' in metrics
+
+
+def _gauge(text: str, name: str) -> float:
+    (value,) = re.findall(rf'^{name}{{model_name="tiny-smol"}} (\S+)$', text, re.M)
+    return float(value)
+
+
+def test_metrics_show_the_size_of_what_the_pair_keeps_per_namespace(tiny_smol):
+    tenants = tiny_smol.tenants
+    with TestClient(create_app(tiny_smol)) as client:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+        for salt in ("metrics-a", "metrics-b", "metrics-a"):
+            assert client.post("/v1/chat/completions", json={**body, "cache_salt": salt}).status_code == 200
+        held = tenants.namespaces()
+        assert {namespace(None, "metrics-a"), namespace(None, "metrics-b")} <= set(held)
+        text = client.get("/metrics").text
+    assert _gauge(text, "agentspec_tenant_store_namespaces") == len(held)
+    assert _gauge(text, "agentspec_tenant_store_bytes") == tenants.bytes > 0
+    assert _gauge(text, "agentspec_tenant_store_budget_bytes") == tenants.max_bytes
 
 
 def test_the_core_imports_no_web_framework():
