@@ -20,7 +20,7 @@ from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 import agentspec
-from agentspec.serve.process import ServerProcess, agentspec_serve_command, checkout_env, free_port
+from agentspec.fleet.process import ServerProcess, agentspec_serve_command, checkout_env, free_port
 
 openai = pytest.importorskip("openai", reason="the openai client (a dev dependency) is not installed")
 

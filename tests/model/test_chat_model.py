@@ -49,7 +49,8 @@ def _without_ids(message) -> dict:
     or async, cold or restored from the prefix cache): all but ids, timings, cache reads and draft
     counts (drafting learns from earlier calls: the same reply may take other passes)."""
     strip = lambda calls: [{k: v for k, v in c.items() if k not in ("id", "error")} for c in calls]  # noqa: E731
-    meta = {k: v for k, v in message.response_metadata.items() if k not in ("id", "stats", "output_version")}
+    drop = ("id", "stats", "latency", "output_version")  # ids, and timings of the path's own passes
+    meta = {k: v for k, v in message.response_metadata.items() if k not in drop}
     if "speculative" in meta:
         meta["speculative"] = {"drafter": meta["speculative"]["drafter"]}
     meta.pop("tool_call_errors", None)  # keyed by call id

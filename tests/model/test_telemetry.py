@@ -28,7 +28,7 @@ from scripted_calls import WholeCall, now
 from agentspec import grammar as G
 from agentspec.cache import PrefixCache
 from agentspec.cost import CostModel, baseline_seconds, calibrate, cost_model, set_cost_model
-from agentspec.decode import Step, stream
+from agentspec.decode import ContextLengthExceeded, Step, stream
 from agentspec.models import ModelPair, ensure_default_model
 from agentspec.stats import DecodeStats
 from agentspec.telemetry import CallInfo, Telemetry, traced_stream
@@ -195,20 +195,23 @@ def test_tool_calling_call(chat_pair, otel):
 def test_failing_call(chat_pair, otel):
     exporter, reader, providers = otel
     llm = ChatSpecDecode(pair=chat_pair, max_tokens=4, **providers)
-    with pytest.raises(ValueError, match="context"):
-        llm.invoke("word " * 1200)  # longer than the 1,024-token context
+    with pytest.raises(ContextLengthExceeded, match="context"):
+        llm.invoke("word " * 1200)  # longer than the 1,024-token context: refused in preparation
     with pytest.raises(ValueError, match="serves"):
         llm.invoke("hi", model="another-model")  # fails in preparation, before decoding
     long, wrong = exporter.get_finished_spans()
-    for span in (long, wrong):
+    for span, error in ((long, "ContextLengthExceeded"), (wrong, "ValueError")):
         assert span.name == "chat tiny-smol"
         assert span.status.status_code == StatusCode.ERROR
-        assert span.attributes[A.ERROR_TYPE] == "ValueError"
+        assert span.attributes[A.ERROR_TYPE] == error
         assert [e.name for e in span.events] == ["exception"]
         assert A.LATENCY_SAVED not in span.attributes  # nothing was decoded
-    assert long.attributes[A.REQUEST_MAX_TOKENS] == 1  # clipped to the (exhausted) context
-    (point,) = _points(reader)[A.METRIC_OPERATION_DURATION]  # both calls: one series, count 2
-    assert point.attributes[A.ERROR_TYPE] == "ValueError" and point.count == 2
+        assert A.REQUEST_MAX_TOKENS not in span.attributes  # refused before it had a config
+    points = _points(reader)[A.METRIC_OPERATION_DURATION]  # one series per error type, one call each
+    assert sorted((p.attributes[A.ERROR_TYPE], p.count) for p in points) == [
+        ("ContextLengthExceeded", 1),
+        ("ValueError", 1),
+    ]
 
 
 def test_metrics(chat_pair, otel):

@@ -279,3 +279,22 @@ def test_serve_verb_options(capsys):
     text = capsys.readouterr().out
     for option in ("--host", "--port", "--api-key", "--queue-size", "--threads", "--model", "--draft-model"):
         assert option in text, option
+
+
+def test_the_response_and_the_span_report_the_same_saving(tiny_smol):
+    """One record per call (agentspec.decode.CallRecord): the span and the response read it alike."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from agentspec.telemetry import attributes as A
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    with TestClient(create_app(tiny_smol, tracer_provider=provider)) as client:
+        own = client.post("/v1/chat/completions", json=body).json()["metrics"]["agentspec"]
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes[A.LATENCY_SAVED] == own["latency_saved_s"]
+    assert own["latency_saved_s"] == own["baseline_s"] - own["decode_s"]
+    provider.shutdown()
