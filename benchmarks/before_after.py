@@ -44,7 +44,7 @@ print(json.dumps(report.summarise_loop(rows, list(models))))
 """
 LOOP_AFTER = """
 import json, sys
-from langchain_agentspec.bench import run_agent_loop
+from benchmarks.bench_langchain_loop import run_agent_loop
 print(json.dumps(run_agent_loop(loop_max_new_tokens=int(sys.argv[1]))["loop"]))
 """
 
