@@ -218,8 +218,11 @@ def test_reply_deltas_hold_markup_and_stop_after_the_one_wanted_call():
     named = prepare(tokenizer, messages, [tool], "f", constrained=False)  # one call wanted
     stats = DecodeStats()
     texts = ["<tool_call>", '{"name": "f"}', "</tool_call>", "never read"]
-    out = list(reply_deltas(named, _steps(texts, None, stats), time.perf_counter()))
-    assert out[-1].finish_reason == "stop" == stats.finish_reason and stats.total_time_s >= 0
+    started = time.perf_counter() - 1.0  # a call begun a second ago
+    out = list(reply_deltas(named, _steps(texts, None, stats), started))
+    # stopped here, not by the loop: the call's time is set here, from its start to now
+    assert out[-1].finish_reason == "stop" == stats.finish_reason
+    assert 1.0 <= stats.total_time_s <= time.perf_counter() - started, stats.total_time_s
     assert [c["function"]["name"] for d in out for c in d.calls] == ["f"]
     assert "never read" not in "".join(d.text for d in out)
 
