@@ -14,11 +14,10 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 
-from agentspec.cache import PrefixCache
 from agentspec.chat import prepare, reply_deltas
 from agentspec.cli import api_keys
 from agentspec.decode import Step
-from agentspec.models import ModelPair, ensure_default_model
+from agentspec.models import ensure_default_model
 from agentspec.serve import create_app
 from agentspec.serve import protocol as P
 from agentspec.serve.app import Server, key_id, namespace
@@ -224,16 +223,6 @@ def test_reply_deltas_hold_markup_and_end_with_the_loops_finish():
     assert out[-1].finish_reason == "stop" and all(d.finish_reason is None for d in out[:-1])
     assert [c["function"]["name"] for d in out for c in d.calls] == ["f"]
     assert "".join(d.text for d in out) == ""  # the markup is never text
-
-
-@pytest.fixture(scope="module")
-def tiny_smol(tiny_llama, one_thread):
-    """A tiny random Llama behind the embedded tokenizer: the chat template, real grammars, fast."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
-    model = tiny_llama(5, vocab_size=len(tokenizer), max_positions=1024)
-    return ModelPair(target=model, tokenizer=tokenizer, name="tiny-smol", prefix_cache=PrefixCache(64 << 20))
 
 
 def test_routes_errors_and_a_reply_through_the_app(tiny_smol):
