@@ -24,8 +24,8 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+from agentspec.fleet.process import free_port
 from agentspec.serve import create_app
-from agentspec.serve.process import free_port
 
 URL = "/v1/chat/completions"
 FAILURE = "RuntimeError: the device went away (simulated)"
@@ -216,7 +216,7 @@ def test_a_whole_reply_whose_client_goes_away_frees_the_pair(tiny_smol, monkeypa
             assert job.cancelled.wait(WAIT_S), "the server never noticed its client had gone"
             release.set()
             _wait_for(lambda: server.admission.active == 0, "the cancelled decode to end")
-            assert job.closed_early and len(job.steps) == 3 and len(calls) == 3  # no pass after it
+            assert job.closed_early and len(job.record.steps) == 3 and len(calls) == 3  # no pass after it
             metrics = httpx.get(f"{url}/metrics").text
             assert 'agentspec_requests_closed_early_total{model_name="tiny-smol"} 1.0' in metrics
             monkeypatch.undo()

@@ -529,7 +529,7 @@ def _check_estimates_itself(span, steps: list[Step], expected: CostModel) -> Non
         (1, stats.prompt_tokens + j) for j in range(stats.output_tokens - 1)
     ]
     assert a[A.USAGE_OUTPUT_TOKENS] == 40 and a[A.DRAFT_TOKENS] == 0
-    expected.refresh(steps)
+    _observe(expected, steps)
     assert a[A.BASELINE_ESTIMATE] == pytest.approx(baseline_seconds(expected, stats), rel=1e-9)
     assert a[A.COST_SOURCE] == expected.source
     assert a[A.LATENCY_SAVED] == pytest.approx(a[A.BASELINE_ESTIMATE] - a[A.DECODE_TIME])
