@@ -31,7 +31,7 @@ test-all: setup vllm lint
 # roofline, then the agent loop through LangChain chat models (where LangChain is a dependency)
 bench: setup
 	$(BIN)/agentspec bench
-	$(BIN)/python -m langchain_agentspec.bench
+	$(BIN)/python -m benchmarks.bench_langchain_loop
 
 # both distributions (agentspec-decode, langchain-agentspec) built as wheels and imported in a clean venv
 wheels:

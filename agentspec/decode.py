@@ -793,6 +793,7 @@ class Run:
         )
 
 
+# ``stream``'s signature, as ``generate``'s: three forms of one call (Steps, a Run with its record, a result)
 def run(
     pair: ModelPair,
     prompt_ids: Any,

@@ -16,9 +16,11 @@ from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 # A CPU pass over 2..FEW_ROWS new tokens computes its large float32 linears weight-first
 # (``WeightFirst``): those whose weight holds at least MIN_WEIGHT_BYTES (more than CPU caches hold).
@@ -172,6 +174,26 @@ class PassIds:
         return (parts[0] if len(parts) == 1 else torch.cat(parts))[None]
 
 
+Segments = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, n, D]
+
+
+class KVState(Protocol):
+    """A model's KV state as the prefix cache reads it (``ModelState``, ``static_kv.StaticState``)."""
+
+    model: Any
+    ids: list[int]  # the ids whose keys and values it holds
+
+    @property
+    def reusable(self) -> bool:
+        """Every layer keeps every position of ``ids`` as plain keys and values: a prefix of it can
+        be saved and restored (a sliding window, a linear-attention state or a quantized form cannot)."""
+        ...
+
+    def segments(self, length: int) -> Segments:
+        """The first ``length`` positions' keys and values, per layer (views, not copies)."""
+        ...
+
+
 class ModelState:
     """One model's DynamicCache and the ids whose keys and values it holds.
 
@@ -251,6 +273,16 @@ class ModelState:
         if captured is not None:
             return out.logits[0, -keep:], captured[-1][0, -len(new) :]
         return out.logits[0, -keep:]
+
+    @property
+    def reusable(self) -> bool:
+        # transformers declares no "keeps every position" capability: DynamicLayer itself is the
+        # layer that does; its subclasses keep a window, an indexer or a quantized form
+        layers = self.cache.layers
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+    def segments(self, length: int) -> Segments:
+        return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.cache.layers]
 
     def take(self, state: ModelState) -> ModelState:
         """The state to continue from after a prefix-cache restore gave ``state``: that one itself

@@ -31,11 +31,9 @@ import torch
 from transformers import Cache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from agentspec.kv import PassIds, common_prefix_len, few_rows_pass, final_hidden
+from agentspec.kv import KVState, PassIds, Segments, common_prefix_len, few_rows_pass, final_hidden
 
 MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many tokens
-
-Segments = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, n, D]
 
 
 class CapacityError(ValueError):
@@ -70,11 +68,10 @@ class RowsLayer(StaticLayer):
 def static_cache(config, capacity: int) -> Cache:
     """A cache of ``RowsLayer``s, one per layer; every layer must be a full-attention one."""
     layers = StaticCache(config=config, max_cache_len=capacity).layers  # allocated lazily: nothing yet
-    kinds = {type(layer).__name__ for layer in layers}
-    if kinds != {StaticLayer.__name__}:
-        raise ValueError(
-            f"a static KV state needs full-attention layers only; this model has {sorted(kinds)}"
-        )
+    kinds = {type(layer) for layer in layers}  # StaticLayer itself: its subclasses keep a window
+    if kinds != {StaticLayer}:
+        names = sorted(kind.__name__ for kind in kinds)
+        raise ValueError(f"a static KV state needs full-attention layers only; this model has {names}")
     return Cache(layers=[RowsLayer(capacity) for _ in layers])
 
 
@@ -163,13 +160,20 @@ class StaticState:
         self.unread = 0
         self.check()
 
-    def take(self, state) -> StaticState:
+    # every layer is a RowsLayer over its buffers (``static_cache`` admits no other): each keeps every
+    # position, so a prefix of the state can be saved and restored (``agentspec.kv.KVState``)
+    reusable = True
+
+    def segments(self, length: int) -> Segments:
+        return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.cache.layers]
+
+    def take(self, state: KVState) -> StaticState:
         """This state, now holding what ``state`` (a restored ``ModelState``) holds: copied into the
         buffers, so the buffers and a compiled step over them stay the ones in use."""
         if not state.ids:
             self.reset()
         else:
-            self.load([(layer.keys, layer.values) for layer in state.cache.layers], state.ids)
+            self.load(state.segments(len(state.ids)), state.ids)
         return self
 
     def _fits(self, n: int, start: int) -> None:

@@ -8,8 +8,16 @@ Run from the repository root, with a checkout of the earlier commit beside it (`
 Every job runs once in each checkout, the two one after the other, the order flipping from job to job so that
 the machine's drift hits both alike: one job per recorded agent trace (``bench_agent_traces`` on that trace)
 and one for the agent loop of LangChain chat models (ChatSpecDecode full and baseline, ChatHuggingFace). Each
-run is a fresh process whose working directory is its checkout, so it imports that checkout's code. Writes the
-per-job seconds and tokens of both checkouts and their ratios (before / after: above 1 means faster after).
+run is a fresh process whose working directory is its checkout, so it imports that checkout's code (the
+engine and the LangChain integration both). Writes the per-job seconds and tokens of both checkouts and their
+ratios (before / after: above 1 means faster after).
+
+It also compares every reply between the two checkouts, job by job: a trace's replies are each turn's plain
+reply (its token ids where both runs wrote them, else its text; within a checkout every configuration must
+equal it, ``identical``), the loop's are each chat model's text at each call. Each job records
+``replies_identical`` (true / false, with the first differing reply where false; null, with
+``replies_reason``, where a checkout's output carries no replies: an older commit's), and the summary
+``all_replies_identical`` (false if any job differs, else null if any could not be compared, else true).
 """
 
 from __future__ import annotations
@@ -26,9 +34,21 @@ from typing import Any
 
 from benchmarks.agent_traces import TRACES
 
-# The agent loop at a commit where it still lived in ``agentspec.bench.run`` (before the core stopped
-# importing LangChain), and where it lives now. Each prints the loop's summary as JSON on its last line.
-LOOP_BEFORE = """
+# The agent loop's run at a commit, by where it lives there: ``benchmarks/bench_langchain_loop.py`` (now),
+# ``langchain_agentspec/bench.py`` (before the integration stopped carrying benchmark code), or
+# ``agentspec.bench.run`` (before the core stopped importing LangChain; ``LOOP_IN_CORE``). Each leaves the
+# loop's ``rows`` and ``summary``; ``LOOP_PRINT`` prints both's figures as JSON on the last line.
+LOOP_MODULES = {
+    "benchmarks/bench_langchain_loop.py": "benchmarks.bench_langchain_loop",
+    "integrations/langchain/langchain_agentspec/bench.py": "langchain_agentspec.bench",
+}
+LOOP_RUN = """
+import json, sys
+from {module} import run_agent_loop
+ran = run_agent_loop(loop_max_new_tokens=int(sys.argv[1]))
+rows, summary = ran["loop_rows"], ran["loop"]
+"""
+LOOP_IN_CORE = """
 import json, sys
 from tqdm.auto import tqdm
 from agentspec import load_pair
@@ -40,13 +60,26 @@ for s in ["transformers generate", "agentspec none", "agentspec auto"]:  # the w
     systems.run_single(pair, s, warm, 4, systems.own_drafter(pair, s) if s.startswith("agentspec") else None)
 models = systems.loop_systems(pair, int(sys.argv[1]), cache_bytes=1 << 30)
 rows = run.agent_loop(pair, models, tqdm(disable=True))
-print(json.dumps(report.summarise_loop(rows, list(models))))
+summary = report.summarise_loop(rows, list(models))
 """
-LOOP_AFTER = """
-import json, sys
-from langchain_agentspec.bench import run_agent_loop
-print(json.dumps(run_agent_loop(loop_max_new_tokens=int(sys.argv[1]))["loop"]))
+# each chat model's reply at each call, in a fixed order (a row's systems are in the call's rotated order)
+LOOP_PRINT = """
+texts = [
+    [f"{s} call {j}", row["systems"][s].get("text")]
+    for j, row in enumerate(rows)
+    for s in sorted(row["systems"])
+]
+replies = {"text": texts} if all(t is not None for _, t in texts) else None
+print(json.dumps({"loop": summary, "replies": replies}))
 """
+
+
+def loop_code(tree: Path) -> str:
+    """The agent loop's script for the checkout, by where its loop lives."""
+    for path, module in LOOP_MODULES.items():
+        if (tree / path).exists():
+            return LOOP_RUN.format(module=module) + LOOP_PRINT
+    return LOOP_IN_CORE + LOOP_PRINT
 
 
 def environment_of(tree: Path) -> dict[str, Any]:
@@ -74,7 +107,9 @@ def traces_job(tree: Path, trace: str, configs: str, out: Path) -> list[str]:
 
 
 def run_in(tree: Path, argv: list[str]) -> tuple[float, str]:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    # the checkout's engine and its LangChain integration, ahead of any installed (editable) copy
+    paths = [tree, tree / "integrations" / "langchain"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in paths if p.is_dir()))
     t0 = time.perf_counter()
     done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - t0
@@ -84,6 +119,7 @@ def run_in(tree: Path, argv: list[str]) -> tuple[float, str]:
 
 
 def trace_figures(path: Path) -> dict[str, Any]:
+    """A trace run's figures, and its ``replies`` (``trace_replies``) for the comparison."""
     data = json.loads(path.read_text())
     return {
         "all_identical": data["all_identical"],
@@ -91,7 +127,45 @@ def trace_figures(path: Path) -> dict[str, Any]:
             c: {k: agg[k] for k in ("tokens", "seconds", "tokens_per_s", "speed_ratio")}
             for c, agg in data["aggregate"].items()
         },
+        "replies": trace_replies(data["turns"]),
     }
+
+
+def trace_replies(turns: list[dict[str, Any]]) -> dict[str, list] | None:
+    """Each turn's plain reply, labelled ``trace#turn``, in every form the run wrote (``token_ids``,
+    ``text``); None where it wrote none."""
+    forms = {"token_ids": "output_token_ids", "text": "output_text"}
+    replies = {
+        form: [[f"{t['trace']}#{t['turn']}", t[key]] for t in turns]
+        for form, key in forms.items()
+        if turns and all(key in t for t in turns)
+    }
+    return replies or None
+
+
+def compare_replies(before: dict[str, list] | None, after: dict[str, list] | None) -> dict[str, Any]:
+    """``replies_identical`` of one job, in the strictest form both checkouts wrote (token ids, else
+    text); where they differ, the first differing reply; null with a reason where one wrote none."""
+    missing = [side for side, replies in (("before", before), ("after", after)) if replies is None]
+    if missing:
+        reason = f"the {' and '.join(missing)} checkout's output carries no replies"
+        return {"replies_identical": None, "replies_reason": reason}
+    assert before is not None and after is not None
+    form = next((f for f in ("token_ids", "text") if f in before and f in after), None)
+    if form is None:
+        reason = f"no common form: before wrote {sorted(before)}, after {sorted(after)}"
+        return {"replies_identical": None, "replies_reason": reason}
+    b, a = before[form], after[form]
+    out: dict[str, Any] = {"replies_identical": b == a, "replies_compared": form, "replies": len(a)}
+    if b != a:
+        i = next((i for i, (x, y) in enumerate(zip(b, a)) if x != y), min(len(b), len(a)))
+        out["first_difference"] = {
+            "index": i,
+            "reply": (a[i] if i < len(a) else b[i])[0],
+            "before": b[i][1] if i < len(b) else None,
+            "after": a[i][1] if i < len(a) else None,
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,17 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     for j, (kind, name) in enumerate(jobs):
         order = ["before", "after"] if j % 2 == 0 else ["after", "before"]
         row: dict[str, Any] = {}
+        replies: dict[str, dict[str, list] | None] = {}
         for side in order:
             tree = trees[side]
             if kind == "trace":
                 out = tmp / f"{side}_{name}.json"
                 seconds, _ = run_in(tree, traces_job(tree, name, args.configs, out))
-                row[side] = {"process_s": seconds, **trace_figures(out)}
+                figures = trace_figures(out)
             else:
-                code = LOOP_AFTER if is_after(tree) else LOOP_BEFORE
+                code = loop_code(tree)
                 seconds, stdout = run_in(tree, [sys.executable, "-c", code, str(args.loop_max_new_tokens)])
-                row[side] = {"process_s": seconds, **json.loads(stdout.strip().splitlines()[-1])}
+                printed = json.loads(stdout.strip().splitlines()[-1])
+                figures = {**printed["loop"], "replies": printed["replies"]}
+            replies[side] = figures.pop("replies")  # compared below, not kept whole
+            row[side] = {"process_s": seconds, **figures}
             print(f"{name} {side}: {seconds:.0f} s", flush=True)
+        row.update(compare_replies(replies["before"], replies["after"]))
+        print(f"{name}: replies identical {row['replies_identical']}", flush=True)
         (result["traces"] if kind == "trace" else result).__setitem__(name, row)
     result["summary"] = summary(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -156,7 +236,17 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     out["identical"] = all(r[s]["all_identical"] for r in traces for s in ("before", "after")) and all(
         r[s]["full_equals_baseline"] for r in loops for s in ("before", "after")
     )
+    out["all_replies_identical"] = all_replies_identical([*traces, *loops])
     return out
+
+
+def all_replies_identical(rows: list[dict[str, Any]]) -> bool | None:
+    """False if any job's replies differ between the checkouts; else None if any job's could not be
+    compared; else True."""
+    seen = [r["replies_identical"] for r in rows]
+    if False in seen:
+        return False
+    return None if None in seen else True
 
 
 if __name__ == "__main__":

@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                     "prompt_tokens": len(ids),
                     "output_tokens": len(ref),
                     "output_text": tok.decode(ref),
+                    "output_token_ids": ref,  # before_after compares replies between commits by these
                     "recorded_reply": recorded["content"],
                     "identical": not diff,
                     "different": diff,

@@ -54,8 +54,8 @@ import openai  # noqa: E402
 import agentspec  # noqa: E402
 from agentspec.bench.run import environment  # noqa: E402
 from agentspec.fleet import Fleet  # noqa: E402
+from agentspec.fleet.process import ServerProcess, free_port  # noqa: E402
 from agentspec.fleet.workers import agentspec_worker, cpu_shares  # noqa: E402
-from agentspec.serve.process import ServerProcess, free_port  # noqa: E402
 from benchmarks.agent_traces import TRACES, calls  # noqa: E402
 from benchmarks.bench_serve import openai_messages  # noqa: E402
 

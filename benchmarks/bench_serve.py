@@ -34,7 +34,7 @@ from langchain_core.messages import convert_to_messages  # noqa: E402
 import agentspec  # noqa: E402
 from agentspec.bench.run import environment  # noqa: E402
 from agentspec.chat import parse_reply  # noqa: E402
-from agentspec.serve.process import (  # noqa: E402
+from agentspec.fleet.process import (  # noqa: E402
     ServerProcess,
     agentspec_serve_command,
     checkout_env,

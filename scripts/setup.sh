@@ -24,5 +24,5 @@ else
 fi
 
 # the engine (agentspec-decode) and the LangChain integration (langchain-agentspec), both editable
-"${PIP[@]}" install -q -e ".[dev,serve]" -e "./integrations/langchain[local,remote,test,bench]"
+"${PIP[@]}" install -q -e ".[dev,serve]" -e "./integrations/langchain[local,remote,test]"
 "$VENV/bin/agentspec" fetch

@@ -31,7 +31,8 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agentspec.models import ModelPair
+from agentspec.cache import PrefixCache
+from agentspec.models import ModelPair, ensure_default_model
 
 VOCAB = 64  # vocabulary of the greedy-equivalence models
 MAX_POSITIONS = 128  # their context window (max_position_embeddings)
@@ -147,6 +148,15 @@ def tokenizer() -> FakeTokenizer:
 def pair(target, draft, tokenizer) -> ModelPair:
     """Target + draft of one vocabulary, no EOS (tests that want one pass ``eos_token_ids``)."""
     return ModelPair(target=target, draft=draft, tokenizer=tokenizer, name="tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_smol(one_thread) -> ModelPair:
+    """A tiny random Llama behind the embedded tokenizer: the chat template, real grammars, fast (the
+    server's tests: the app needs a real tokenizer, not its replies' sense)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ensure_default_model())
+    model = build_llama(5, vocab_size=len(tokenizer), max_positions=1024)
+    return ModelPair(target=model, tokenizer=tokenizer, name="tiny-smol", prefix_cache=PrefixCache(64 << 20))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """From raw measurements to figures: summaries, goals, a Markdown table and PNG plots.
 
-The agent loop's summary, goal and plot live with its rows (``langchain_agentspec/bench.py``), which
+The agent loop's summary, goal and plot live with its rows (``benchmarks/bench_langchain_loop.py``), which
 reuse ``goal_rows``, ``fmt`` and ``finish_plot``.
 """
 

@@ -7,8 +7,8 @@ prompt lookup (``prompt_lookup_num_tokens=``), and agentspec with each drafter. 
 a cold prompt (agentspec with ``prefix_cache=False``), so their tokens must agree.
 
 llama.cpp (``llama-cpp-python``, an optional extra) runs the same GGUF file as an outside
-reference. The agent loop's systems are LangChain chat models: they live with the LangChain
-integration (``integrations/langchain/langchain_agentspec/bench.py``).
+reference. The agent loop's systems are LangChain chat models: they live beside the other
+benchmarks (``benchmarks/bench_langchain_loop.py``).
 """
 
 from __future__ import annotations

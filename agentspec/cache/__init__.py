@@ -19,8 +19,8 @@ from collections.abc import Hashable, Mapping
 import torch
 from transformers import DynamicCache
 
-from agentspec.cache.radix import RadixCache, Segments, Tier
-from agentspec.kv import ModelState, common_prefix_len
+from agentspec.cache.radix import RadixCache, Tier
+from agentspec.kv import KVState, ModelState, Segments, common_prefix_len
 
 __all__ = ["PrefixCache", "RadixCache", "Tier", "default_budget", "default_host_budget"]
 
@@ -54,17 +54,6 @@ def _free_ram() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not on every platform
         return 4 << 30
-
-
-def _supports_reuse(cache: DynamicCache) -> bool:
-    # sliding-window and linear-attention layers do not keep every position: no prefix reuse
-    layers = getattr(cache, "layers", None)
-    # a static draft's layers (agentspec.static_kv.RowsLayer) hold every position too
-    return bool(layers) and all(type(layer).__name__ in ("DynamicLayer", "RowsLayer") for layer in layers)
-
-
-def _segments(state: ModelState, length: int) -> Segments:
-    return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in state.cache.layers]
 
 
 def _state(model, segments: Segments, ids: list[int]) -> ModelState:
@@ -131,7 +120,7 @@ class PrefixCache:
         first output token. Pass the target first.
         """
         states = {name: ModelState(model) for name, model in models.items()}
-        if not all(_supports_reuse(s.cache) for s in states.values()):
+        if not all(s.reusable for s in states.values()):
             return states
         found = self.tree.lookup_each(self.namespace(pair, namespace), ids[:-1], list(models))
         for name, (n, segs) in found.items():
@@ -139,7 +128,7 @@ class PrefixCache:
                 states[name] = _state(models[name], segs, ids[:n])
         return states
 
-    def save(self, pair, states: Mapping[str, ModelState], namespace: str | None = None) -> int:
+    def save(self, pair, states: Mapping[str, KVState], namespace: str | None = None) -> int:
         """Record the verified tokens each state covers (the draft: only what matches the target),
         under ``namespace``: only a restore under the same one reads them.
 
@@ -148,16 +137,16 @@ class PrefixCache:
         the tree already held for the target are a prefix of them.
         """
         target = states["target"]
-        if not target.ids or not _supports_reuse(target.cache):
+        if not target.ids or not target.reusable:
             return 0
         ns = self.namespace(pair, namespace)
-        written = self.tree.insert(ns, target.ids, "target", _segments(target, len(target.ids)))
+        written = self.tree.insert(ns, target.ids, "target", target.segments(len(target.ids)))
         for name, state in states.items():
-            if name == "target" or not _supports_reuse(state.cache):
+            if name == "target" or not state.reusable:
                 continue
             n = common_prefix_len(state.ids, target.ids)  # draft positions past n are unverified
             if n:
-                self.tree.insert(ns, target.ids[:n], name, _segments(state, n))
+                self.tree.insert(ns, target.ids[:n], name, state.segments(n))
         return written
 
     def clear(self) -> None:

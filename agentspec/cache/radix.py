@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-Segments = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), [1, H, n, D]
+from agentspec.kv import Segments
 
 
 def segment_bytes(seg: Segments) -> int:

@@ -220,6 +220,8 @@ class ChatCall:
     grammar: G.Constraint | None  # the reply's grammar compiled for the pair (None: free text)
 
 
+# ``prepare``'s arguments with the pair and config it is fitted to: the one entry point of the chat
+# model and the server (``prepare`` alone stays for callers without a pair: distillation, tests)
 def prepare_call(
     pair: ModelPair,
     messages: Sequence[dict],

@@ -17,8 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from agentspec.fleet.process import STARTUP_TIMEOUT_S, ServerProcess
 from agentspec.models import DEFAULT_NAME, ensure_default_model
-from agentspec.serve.process import STARTUP_TIMEOUT_S, ServerProcess
 
 # the checkout's environment, as `make vllm` builds it
 VLLM_PYTHON = Path(__file__).resolve().parent.parent.parent / ".venv-vllm" / "bin" / "python"

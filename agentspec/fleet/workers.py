@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from agentspec.fleet.process import ServerProcess, agentspec_serve_command, checkout_env, free_port
 from agentspec.fleet.router import router_command, session_choices
-from agentspec.serve.process import ServerProcess, agentspec_serve_command, checkout_env, free_port
 
 # requests a fleet worker queues behind the one decoding: deep, since a 503 from a full queue counts
 # against the worker's circuit breaker in the router (agentspec.fleet.router)

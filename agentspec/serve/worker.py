@@ -31,7 +31,7 @@ from opentelemetry.trace import SpanKind
 from agentspec.chat import ChatCall, new_response_id, prepare_call
 from agentspec.chat import run as run_call
 from agentspec.config import GenerationConfig
-from agentspec.decode import ContextLengthExceeded
+from agentspec.decode import CallRecord, ContextLengthExceeded
 from agentspec.models import ModelPair
 from agentspec.serve.protocol import DEFAULT_TEMPERATURE, APIError, ChatCompletionRequest
 from agentspec.telemetry import Telemetry
@@ -92,6 +92,7 @@ class Job:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     closed_early: bool = False  # cancelled before the reply finished
+    record: CallRecord | None = None  # the call's record, once its decode is closed
     conversation_id: str | None = None  # the caller's session (its X-Session-ID header), on the span
     response_id: str = field(default_factory=new_response_id)  # the response's id, on the span too
 
@@ -137,7 +138,7 @@ class Job:
             trace.fail(exc)
             raise
         finally:
-            record = deltas.close()  # in this thread: releases the pair's lock, saves the verified part
+            self.record = record = deltas.close()  # in this thread: releases the lock, saves the cache
             trace.end(record)
         if last is None:  # cancelled
             self.closed_early = True

@@ -37,6 +37,7 @@ from typing import Any
 
 from agentspec.chat.prompt import content_text
 from agentspec.config import GenerationConfig
+from agentspec.decode import CallRecord
 from agentspec.stats import DecodeStats
 
 # -- span: OpenTelemetry GenAI conventions ---------------------------------------------------------
@@ -319,25 +320,19 @@ def source_attributes(stats: DecodeStats) -> dict[str, Any]:
     return attrs
 
 
-def timing_attributes(
-    ttft_s: float | None,
-    decode_s: float,
-    baseline_s: float | None,
-    cost_source: str | None = None,
-    first_chunk_s: float | None = None,
-) -> dict[str, Any]:
-    """Measured times, and the estimate when there is one (saved = baseline - decode) with its source;
-    ``first_chunk_s`` only for a streamed call."""
-    attrs: dict[str, Any] = {DECODE_TIME: decode_s}
-    if first_chunk_s is not None:
-        attrs[RESPONSE_TIME_TO_FIRST_CHUNK] = first_chunk_s
-    if ttft_s is not None:
-        attrs[TIME_TO_FIRST_TOKEN] = ttft_s
-    if baseline_s is not None:
-        attrs[BASELINE_ESTIMATE] = baseline_s
-        attrs[LATENCY_SAVED] = baseline_s - decode_s
-    if cost_source is not None:
-        attrs[COST_SOURCE] = cost_source
+def timing_attributes(record: CallRecord, streamed: bool) -> dict[str, Any]:
+    """The call's measured times, and its latency-saved estimate when there is one, with its source,
+    as its record holds them; the time to the first chunk only for a streamed call."""
+    attrs: dict[str, Any] = {DECODE_TIME: record.decode_s}
+    if streamed and record.first_chunk_s is not None:
+        attrs[RESPONSE_TIME_TO_FIRST_CHUNK] = record.first_chunk_s
+    if record.ttft_s is not None:
+        attrs[TIME_TO_FIRST_TOKEN] = record.ttft_s
+    if record.baseline_s is not None:
+        attrs[BASELINE_ESTIMATE] = record.baseline_s
+        attrs[LATENCY_SAVED] = record.latency_saved_s
+    if record.cost_source is not None:
+        attrs[COST_SOURCE] = record.cost_source
     return attrs
 
 

@@ -324,12 +324,7 @@ class CallTrace:
         if stats is not None:
             attrs.update(A.response_attributes(self.info.model, stats, self.info.response_id, self.latest))
             attrs.update(A.speculation_attributes(stats))
-            first_chunk = record.first_chunk_s if self.info.streamed else None
-            attrs.update(
-                A.timing_attributes(
-                    record.ttft_s, record.decode_s, record.baseline_s, record.cost_source, first_chunk
-                )
-            )
+            attrs.update(A.timing_attributes(record, self.info.streamed))
         if self.capture and self.output is not None:
             attrs.update(A.output_content_attributes(*self.output, stats.finish_reason if stats else None))
         if self.error is not None:

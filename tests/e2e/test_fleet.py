@@ -22,9 +22,9 @@ import httpx
 import pytest
 
 from agentspec.fleet import Fleet
+from agentspec.fleet.process import ServerProcess, checkout_env, free_port, healthy
 from agentspec.fleet.router import router_binary
 from agentspec.fleet.workers import cpu_shares, pinned
-from agentspec.serve.process import ServerProcess, checkout_env, free_port, healthy
 
 openai = pytest.importorskip("openai", reason="the openai client (a dev dependency) is not installed")
 

@@ -16,8 +16,8 @@ from contextlib import ExitStack
 
 import pytest
 
+from agentspec.fleet.process import ServerProcess, agentspec_serve_command, checkout_env, free_port
 from agentspec.fleet.vllm import NGRAM_SPECULATION, VLLM_PYTHON, vllm_worker
-from agentspec.serve.process import ServerProcess, agentspec_serve_command, checkout_env, free_port
 
 openai = pytest.importorskip("openai", reason="the openai client (a dev dependency) is not installed")
 

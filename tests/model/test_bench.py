@@ -1,4 +1,4 @@
-"""``agentspec bench`` and the LangChain agent loop beside it (``langchain_agentspec.bench``): their
+"""``agentspec bench`` and the LangChain agent loop beside it (``benchmarks.bench_langchain_loop``): their
 workloads, their arithmetic, and (slow) a whole short run of both on the real pair."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import agentspec
 from agentspec.bench import report, roofline, systems, workloads
 from agentspec.bench.conversation import prompt_ids
 from agentspec.bench.run import Settings, run
-from langchain_agentspec import bench as loop_bench
+from benchmarks import bench_langchain_loop as loop_bench
 
 
 @pytest.fixture(scope="module")

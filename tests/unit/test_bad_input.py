@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -18,6 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 import agentspec
 from agentspec import GenerationConfig, TokenizerMismatchError
+from agentspec.cache import PrefixCache
 from agentspec.models import check_tokenizers, load_pair
 
 VOCAB = 64
@@ -136,9 +138,8 @@ def test_bad_option_through_stream(pair, before, options, error, name):
 
 def test_bad_calls_leave_a_prefix_cached_pair_intact(target, draft, tokenizer, before):
     """With the cross-call cache, a refused call must not save or restore anything wrong either."""
-    cache_module = pytest.importorskip("agentspec.cache")
     cached = agentspec.ModelPair(
-        target=target, draft=draft, tokenizer=tokenizer, prefix_cache=cache_module.PrefixCache(1 << 26)
+        target=target, draft=draft, tokenizer=tokenizer, prefix_cache=PrefixCache(1 << 26)
     )
     assert outputs(cached) == before  # first call fills the cache
     for case in BAD_PROMPTS:
@@ -153,7 +154,6 @@ def test_bad_calls_leave_a_prefix_cached_pair_intact(target, draft, tokenizer, b
 
 def test_prompt_as_numpy_array(pair, before):
     """Tokenizers called with return_tensors="np" give numpy ids: as good as a list or a tensor."""
-    np = pytest.importorskip("numpy")
     assert agentspec.generate(pair, np.array(PROMPT), **VALID[0]).token_ids == before[0][0]
 
 

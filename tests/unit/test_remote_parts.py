@@ -3,14 +3,19 @@ it retries, the names its span writes (against a real server: tests/e2e/test_rem
 
 from __future__ import annotations
 
+import asyncio
 import json
-import socket
-import time
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from langchain_core.language_models.chat_models import generate_from_stream
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from pydantic import BaseModel
 
 openai = pytest.importorskip("openai", reason="the remote path's client (the [remote] extra)")
@@ -271,16 +276,95 @@ def test_a_remote_instance_refuses_local_settings_and_claims_no_weights():
     assert llm.model_name == "m" and "secret-key-1" not in repr(llm)  # the key is a SecretStr
 
 
-def test_retries_stop_at_the_deadline_or_the_count():
-    with socket.socket() as s:  # a port nothing listens on: every attempt is refused
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/v1"
-    started = time.monotonic()
-    with pytest.raises(openai.APIConnectionError):
-        ChatSpecDecode(base_url=url, model="m", max_retries=50, timeout=1.5).invoke("hi")
-    assert time.monotonic() - started < 2.5  # the deadline, not fifty back-offs
-    started = time.monotonic()
-    with pytest.raises(openai.APIConnectionError):
-        ChatSpecDecode(base_url=url, model="m", max_retries=0).invoke("hi")
-    assert time.monotonic() - started < 0.5  # one attempt, no back-off
+class CountingServer:
+    """An HTTP server on 127.0.0.1 that gives every request the same answer and counts them:
+    ``(status, headers, body)``, or None to drop the connection unanswered (which the client sees
+    as a connection error)."""
+
+    def __init__(self, answer: tuple[int, dict[str, str], bytes] | None):
+        self.requests = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                server.requests += 1
+                if answer is None:
+                    self.close_connection = True
+                    return
+                status, headers, body = answer
+                self.send_response(status)
+                for name, value in {**headers, "content-length": str(len(body))}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+
+    def __enter__(self) -> CountingServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("max_retries", [0, 2])
+def test_retries_stop_at_the_count(max_retries):
+    with CountingServer(None) as server, pytest.raises(openai.APIConnectionError):
+        ChatSpecDecode(base_url=server.url, model="m", max_retries=max_retries).invoke("hi")
+    assert server.requests == max_retries + 1
+
+
+def test_retries_stop_at_the_deadline():
+    # the server asks for 10 s before the next try: that one would start past the 1.5 s deadline
+    busy = (503, {"content-type": "text/plain", "retry-after": "10"}, b"busy")
+    with CountingServer(busy) as server, pytest.raises(openai.InternalServerError):
+        ChatSpecDecode(base_url=server.url, model="m", max_retries=50, timeout=1.5).invoke("hi")
+    assert server.requests == 1  # the deadline, not fifty back-offs
+
+
+def _sse(*events: dict) -> bytes:
+    body = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+    lines = [f"data: {json.dumps({**body, **event})}\n\n" for event in events]
+    return "".join([*lines, "data: [DONE]\n\n"]).encode()
+
+
+STREAM = _sse(
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
+    {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}},
+)
+
+
+def test_the_sync_and_async_streams_give_the_same_chunks_and_spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def collect(llm):
+        return [c async for c in llm.astream("hi")]
+
+    with CountingServer((200, {"content-type": "text/event-stream"}, STREAM)) as server:
+        llm = ChatSpecDecode(base_url=server.url, model="m", tracer_provider=provider)
+        both = [list(llm.stream("hi")), asyncio.run(collect(llm))]
+        stream = llm.stream("hi")
+        next(stream)
+        stream.close()  # the caller stops reading after the first chunk
+        del stream
+    seen = [[(c.content, c.chunk_position, c.usage_metadata) for c in chunks] for chunks in both]
+    assert seen[0] == seen[1] and [c for c, _, _ in seen[0]] == ["Hel", "lo", ""], seen
+    assert seen[0][-1][1:] == ("last", {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7})
+    assert server.requests == 3
+    *whole, early = exporter.get_finished_spans()
+    assert dict(whole[0].attributes) == dict(whole[1].attributes)  # the same call, sync or async
+    assert whole[0].attributes["gen_ai.usage.output_tokens"] == 2 and whole[0].status.is_ok
+    assert early.attributes[names.CLOSED_EARLY] is True and names.ERROR_TYPE not in early.attributes
+    assert early.status.status_code == StatusCode.UNSET

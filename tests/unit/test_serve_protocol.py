@@ -15,11 +15,10 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 
-from agentspec.cache import PrefixCache
 from agentspec.chat import prepare, reply_deltas
 from agentspec.cli import api_keys
 from agentspec.decode import Step
-from agentspec.models import ModelPair, ensure_default_model
+from agentspec.models import ensure_default_model
 from agentspec.serve import create_app
 from agentspec.serve import protocol as P
 from agentspec.serve.app import Server, key_id, namespace
@@ -227,16 +226,6 @@ def test_reply_deltas_hold_markup_and_end_with_the_loops_finish():
     assert "".join(d.text for d in out) == ""  # the markup is never text
 
 
-@pytest.fixture(scope="module")
-def tiny_smol(tiny_llama, one_thread):
-    """A tiny random Llama behind the embedded tokenizer: the chat template, real grammars, fast."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
-    model = tiny_llama(5, vocab_size=len(tokenizer), max_positions=1024)
-    return ModelPair(target=model, tokenizer=tokenizer, name="tiny-smol", prefix_cache=PrefixCache(64 << 20))
-
-
 def test_routes_errors_and_a_reply_through_the_app(tiny_smol):
     with TestClient(create_app(tiny_smol, api_keys=["k"])) as client:
         auth = {"Authorization": "Bearer k"}
@@ -299,3 +288,22 @@ def test_serve_verb_options(capsys):
     text = capsys.readouterr().out
     for option in ("--host", "--port", "--api-key", "--queue-size", "--threads", "--model", "--draft-model"):
         assert option in text, option
+
+
+def test_the_response_and_the_span_report_the_same_saving(tiny_smol):
+    """One record per call (agentspec.decode.CallRecord): the span and the response read it alike."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from agentspec.telemetry import attributes as A
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    with TestClient(create_app(tiny_smol, tracer_provider=provider)) as client:
+        own = client.post("/v1/chat/completions", json=body).json()["metrics"]["agentspec"]
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes[A.LATENCY_SAVED] == own["latency_saved_s"]
+    assert own["latency_saved_s"] == own["baseline_s"] - own["decode_s"]
+    provider.shutdown()

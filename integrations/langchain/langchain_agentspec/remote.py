@@ -220,7 +220,11 @@ def _retry_after(exc: BaseException | None) -> float:
 
 
 class Reply:
-    """One reply as it comes from the server, whole or chunk by chunk, and its last LangChain chunk."""
+    """One reply as it comes from the server, whole or chunk by chunk, and its last LangChain chunk.
+
+    No I/O here: the sync and async loops of ``Remote`` hand it each response or stream chunk they
+    read, and it turns each into LangChain's chunks, keeping what the last chunk and the span need
+    (id, model, finish reason, usage, the server's metrics)."""
 
     def __init__(self, model: str):
         self.id: str | None = None
@@ -310,7 +314,11 @@ def usage_metadata(usage: Any) -> UsageMetadata | None:
 
 
 class Remote:
-    """The openai clients of one ``ChatSpecDecode(base_url=...)``, its retry policy and its tracer."""
+    """The openai clients of one ``ChatSpecDecode(base_url=...)``, its retry policy and its tracer.
+
+    Each entry point is a thin loop that does only its own I/O (sync or async, whole or streamed):
+    a ``Call`` holds what the four share (the span, the request, the deadline), and its ``Reply``
+    turns each response or chunk into LangChain's chunks."""
 
     def __init__(
         self,
@@ -332,9 +340,9 @@ class Remote:
         self.tracer_provider = tracer_provider
         self._model: str | None = None
 
-    # -- the retry policy ----------------------------------------------------------------------
-
-    def _policy(self, span: ClientSpan | None, timeout: float | None) -> dict[str, Any]:
+    def policy(self, span: ClientSpan | None, timeout: float | None) -> dict[str, Any]:
+        """tenacity's arguments: ``max_retries`` retries of what ``retryable`` accepts, none that
+        would start past the deadline, each retry an event on the span."""
         stop = stop_after_attempt(self.max_retries + 1)
         if timeout is not None:
             stop = stop | stop_before_delay(timeout)  # no attempt that would start past the deadline
@@ -346,142 +354,122 @@ class Remote:
             "before_sleep": span.retried if span is not None else None,
         }
 
-    @staticmethod
-    def _attempt_options(started: float, timeout: float | None) -> dict[str, Any]:
-        """An attempt's own timeout: what the call's deadline leaves (none given: the client's)."""
-        if timeout is None:
-            return {}
-        return {"timeout": max(timeout - (time.monotonic() - started), 0.001)}
-
     def served_model(self) -> str:
         """The model a ``ChatSpecDecode`` with no ``model`` asks for: the endpoint's first in
         ``/v1/models`` (asked once)."""
         if self._model is None:
             started = time.monotonic()
-            for attempt in Retrying(**self._policy(None, self.timeout)):
+            for attempt in Retrying(**self.policy(None, self.timeout)):
                 with attempt:
-                    page = self.client.models.list(**self._attempt_options(started, self.timeout))
+                    page = self.client.models.list(**_attempt_options(started, self.timeout))
             if not page.data:
                 raise ValueError(f"{self.client.base_url} serves no model: pass model=")
             self._model = page.data[0].id
         return self._model
 
-    # -- one call ------------------------------------------------------------------------------
-
-    def _begin(self, options: dict, run_manager: Any, streamed: bool) -> tuple[ClientSpan, dict, dict, Any]:
-        """The call's span, the headers that carry its trace context and session, its options for
-        ``create`` and its deadline (the call's ``timeout``, else the instance's)."""
-        options = dict(options)
-        timeout = options.pop("deadline", self.timeout)
-        conversation = run_conversation_id(run_manager)
-        span = ClientSpan.start(
-            self.tracer_provider, self.server, options, streamed, conversation, parent_context(run_manager)
-        )
-        headers = span.trace_headers()
-        if conversation is not None:
-            headers.update(dict.fromkeys(SESSION_HEADERS, conversation))
-        return span, headers, options, timeout
+    # -- one call: the same steps, sync and async (only the I/O differs) -----------------------
 
     def generate(self, options: dict, run_manager: Any) -> list[ChatGenerationChunk]:
         """A whole reply (not streamed), as the chunks ``generate_from_stream`` merges."""
-        span, headers, options, timeout = self._begin(options, run_manager, streamed=False)
-        reply, started = Reply(options["model"]), time.monotonic()
-        try:
-            for attempt in Retrying(**self._policy(span, timeout)):
+        with Call(self, options, run_manager, streamed=False) as call:
+            for attempt in Retrying(**call.retry):
                 with attempt:
-                    response = self.client.chat.completions.create(
-                        **options, extra_headers=headers, **self._attempt_options(started, timeout)
-                    )
-            chunks = reply.whole(response)
-        except BaseException as exc:
-            span.fail(exc)
-            raise
-        finally:
-            span.end(reply, speculative_record(reply.metrics))
-        return chunks
+                    response = self.client.chat.completions.create(**call.request())
+            return call.reply.whole(response)
 
     async def agenerate(self, options: dict, run_manager: Any) -> list[ChatGenerationChunk]:
-        span, headers, options, timeout = self._begin(options, run_manager, streamed=False)
-        reply, started = Reply(options["model"]), time.monotonic()
-        try:
+        with Call(self, options, run_manager, streamed=False) as call:
             async with openai.AsyncOpenAI(**self._options) as client:
-                async for attempt in AsyncRetrying(**self._policy(span, timeout)):
+                async for attempt in AsyncRetrying(**call.retry):
                     with attempt:
-                        response = await client.chat.completions.create(
-                            **options, extra_headers=headers, **self._attempt_options(started, timeout)
-                        )
-            chunks = reply.whole(response)
-        except BaseException as exc:
-            span.fail(exc)
-            raise
-        finally:
-            span.end(reply, speculative_record(reply.metrics))
-        return chunks
-
-    def _stream_options(self, options: dict, headers: dict, started: float, timeout: Any) -> dict[str, Any]:
-        return {
-            **options,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "extra_headers": headers,
-            **self._attempt_options(started, timeout),
-        }
+                        response = await client.chat.completions.create(**call.request())
+            return call.reply.whole(response)
 
     def stream(self, options: dict, run_manager: Any) -> Iterator[ChatGenerationChunk]:
         """The reply's chunks as they come, then the last one (usage and metadata)."""
-        span, headers, options, timeout = self._begin(options, run_manager, streamed=True)
-        reply, started = Reply(options["model"]), time.monotonic()
-        try:
-            for attempt in Retrying(**self._policy(span, timeout)):  # until the first chunk is in
+        with Call(self, options, run_manager, streamed=True) as call:
+            for attempt in Retrying(**call.retry):  # until the first chunk is in
                 with attempt:
-                    events = self.client.chat.completions.create(
-                        **self._stream_options(options, headers, started, timeout)
-                    )
+                    events = self.client.chat.completions.create(**call.request())
                     first = _first(events)
             with events:
                 for event in itertools.chain([first] if first is not None else [], events):
-                    chunk = reply.chunk(event)
-                    if chunk is not None:
+                    if (chunk := call.reply.chunk(event)) is not None:
                         if run_manager is not None:
                             run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                         yield chunk
-            yield reply.last()
-        except GeneratorExit:
-            span.closed_early()
-            raise
-        except BaseException as exc:
-            span.fail(exc)
-            raise
-        finally:
-            span.end(reply, speculative_record(reply.metrics))
+            yield call.reply.last()
 
     async def astream(self, options: dict, run_manager: Any) -> AsyncIterator[ChatGenerationChunk]:
-        span, headers, options, timeout = self._begin(options, run_manager, streamed=True)
-        reply, started = Reply(options["model"]), time.monotonic()
-        try:
+        with Call(self, options, run_manager, streamed=True) as call:
             async with openai.AsyncOpenAI(**self._options) as client:
-                async for attempt in AsyncRetrying(**self._policy(span, timeout)):
+                async for attempt in AsyncRetrying(**call.retry):  # until the first chunk is in
                     with attempt:
-                        events = await client.chat.completions.create(
-                            **self._stream_options(options, headers, started, timeout)
-                        )
+                        events = await client.chat.completions.create(**call.request())
                         first = await _afirst(events)
                 async with events:
                     async for event in _prepended(first, events):
-                        chunk = reply.chunk(event)
-                        if chunk is not None:
+                        if (chunk := call.reply.chunk(event)) is not None:
                             if run_manager is not None:
                                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                             yield chunk
-            yield reply.last()
-        except GeneratorExit:
-            span.closed_early()
-            raise
-        except BaseException as exc:
-            span.fail(exc)
-            raise
-        finally:
-            span.end(reply, speculative_record(reply.metrics))
+            yield call.reply.last()
+
+
+class Call:
+    """One remote call's state across its attempts: its span, the headers that carry the span's
+    trace context and the run's session, ``create``'s options, the deadline (the call's
+    ``timeout``, else the instance's) and the reply read so far.
+
+    Used as a context manager around the whole call: on the way out it records on the span how
+    the call ended (an error; a stream its caller closed early, which arrives as ``GeneratorExit``
+    at the ``yield``), then the response's figures, whatever happened."""
+
+    def __init__(self, remote: Remote, options: dict, run_manager: Any, streamed: bool):
+        options = dict(options)
+        self.deadline = options.pop("deadline", remote.timeout)
+        conversation = run_conversation_id(run_manager)
+        self.span = ClientSpan.start(
+            remote.tracer_provider,
+            remote.server,
+            options,
+            streamed,
+            conversation,
+            parent_context(run_manager),
+        )
+        self.headers = self.span.trace_headers()
+        if conversation is not None:
+            self.headers.update(dict.fromkeys(SESSION_HEADERS, conversation))
+        if streamed:  # the usage comes in a last chunk of its own
+            options = {**options, "stream": True, "stream_options": {"include_usage": True}}
+        self.options = options
+        self.retry = remote.policy(self.span, self.deadline)
+        self.reply, self.started = Reply(options["model"]), time.monotonic()
+
+    def request(self) -> dict[str, Any]:
+        """``create``'s arguments for the next attempt: its own timeout is what the deadline leaves."""
+        return {
+            **self.options,
+            "extra_headers": self.headers,
+            **_attempt_options(self.started, self.deadline),
+        }
+
+    def __enter__(self) -> Call:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if kind is GeneratorExit:
+            self.span.closed_early()
+        elif exc is not None:
+            self.span.fail(exc)
+        self.span.end(self.reply, speculative_record(self.reply.metrics))
+
+
+def _attempt_options(started: float, timeout: float | None) -> dict[str, Any]:
+    """An attempt's own timeout: what the call's deadline leaves (none given: the client's)."""
+    if timeout is None:
+        return {}
+    return {"timeout": max(timeout - (time.monotonic() - started), 0.001)}
 
 
 def _first(events: Any) -> Any:

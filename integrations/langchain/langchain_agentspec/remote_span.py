@@ -20,7 +20,7 @@ server counts usage (see ``remote``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from opentelemetry import propagate
@@ -30,8 +30,6 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 if TYPE_CHECKING:
     from tenacity import RetryCallState
-
-    from langchain_agentspec.remote import Reply
 
 # -- names: agentspec.telemetry.attributes' --------------------------------------------------------------
 OPERATION_NAME = "gen_ai.operation.name"
@@ -92,6 +90,17 @@ _LATENCY = (
 )
 
 
+class Response(Protocol):
+    """What a response told of itself, as the span reads it. Declared here so that the span helper
+    needs nothing of the client above it (``remote.Reply`` is one)."""
+
+    id: str | None
+    model: str
+    finish_reason: str | None
+    usage: Any  # OpenAI's ``CompletionUsage`` or None
+    metrics: dict[str, Any] | None  # the server's ``metrics`` as sent
+
+
 def server_of(base_url: str) -> tuple[str, int]:
     """``server.address`` and ``server.port`` of an endpoint (the scheme's port when it names none)."""
     parts = urlsplit(base_url)
@@ -122,7 +131,7 @@ def request_attributes(
     return attrs
 
 
-def response_attributes(reply: Reply, speculative: Mapping[str, Any] | None) -> dict[str, Any]:
+def response_attributes(reply: Response, speculative: Mapping[str, Any] | None) -> dict[str, Any]:
     """What the response told of itself: id, model, finish reason, usage, speculation, latency saved."""
     attrs: dict[str, Any] = {RESPONSE_MODEL: reply.model}
     if reply.id is not None:
@@ -185,6 +194,6 @@ class ClientSpan:
         self.span.set_attribute(ERROR_TYPE, type(exc).__qualname__)
         self.span.set_status(Status(StatusCode.ERROR, str(exc)))
 
-    def end(self, reply: Reply, speculative: Mapping[str, Any] | None) -> None:
+    def end(self, reply: Response, speculative: Mapping[str, Any] | None) -> None:
         self.span.set_attributes(response_attributes(reply, speculative))
         self.span.end()

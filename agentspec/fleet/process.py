@@ -18,8 +18,6 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-import agentspec
-
 STARTUP_TIMEOUT_S = 300.0  # loading a model and, for vLLM, compiling its graphs, on a busy CPU
 STOP_TIMEOUT_S = 30.0  # after SIGTERM: the time a server has to finish its pass and save its cache
 
@@ -34,7 +32,7 @@ def free_port() -> int:
 def checkout_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child Python that imports this ``agentspec`` (a checkout's, say), with
     passive OpenMP waits (spinning threads of two processes starve each other on a few cores)."""
-    root = str(Path(agentspec.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding this agentspec package
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_WAIT_POLICY": "PASSIVE", **(extra or {})}
 

@@ -1,6 +1,8 @@
 """The agent loop through LangChain chat models: agentspec full and baseline against ChatHuggingFace.
 
-    python -m langchain_agentspec.bench [--out benchmarks/results/bench_agent_loop] \
+Run from the repository root:
+
+    python -m benchmarks.bench_langchain_loop [--out benchmarks/results/bench_agent_loop] \
         [--full | --loop-max-new-tokens 16] [--device cpu]
 
 The work is the core's ``agentspec.bench.workloads.agent_loop``: 8 tool-calling calls over a growing
@@ -8,8 +10,9 @@ The work is the core's ``agentspec.bench.workloads.agent_loop``: 8 tool-calling 
 in a rotating order: agentspec full (``ChatSpecDecode()`` defaults: the auto drafter and the prefix
 cache), agentspec baseline (``speculative=False, prefix_cache=False``: the same loop as a plain
 local model), and ``ChatHuggingFace`` over a transformers pipeline on the same loaded target (when
-``langchain-huggingface`` is installed). The single-call rows, the roofline and llama.cpp are
-``agentspec bench``; ``make bench`` runs both.
+``langchain-huggingface`` is installed: langchain-agentspec's ``test`` extra). The single-call rows,
+the roofline and llama.cpp are ``agentspec bench``; ``make bench`` runs both. It lives here, beside
+the other benchmarks, so that the installed integration carries no benchmark code.
 
 Writes ``<out>.json`` (``loop``: the summary, ``loop_rows``: each call's figures, the goal, the
 environment), ``<out>.md`` and ``<out>.png`` (per-call latency). ``run_agent_loop`` returns the
