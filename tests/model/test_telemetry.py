@@ -558,3 +558,12 @@ def test_a_plain_call_rescales_the_prior_before_its_estimate(chat_pair, otel):
     _check_estimates_itself(_one_span(exporter), steps, CostModel.for_device("cpu"))
     learned = cost_model(fresh)
     assert learned.source == "observed" and (learned.prefill_passes, learned.decode_passes) == (1, 39)
+
+
+def test_the_reply_and_the_span_report_the_same_saving(chat_pair, otel):
+    """One record per call (agentspec.decode.CallRecord): the span and the reply's metadata read it."""
+    exporter, _, providers = otel
+    reply = ChatSpecDecode(pair=chat_pair, max_tokens=6, **providers).invoke("one two three")
+    latency, a = reply.response_metadata["latency"], _one_span(exporter).attributes
+    assert a[A.LATENCY_SAVED] == latency["latency_saved_s"] == latency["baseline_s"] - latency["decode_s"]
+    assert a[A.DECODE_TIME] == latency["decode_s"] and a[A.COST_SOURCE] == latency["cost_source"]

@@ -17,9 +17,11 @@ held back while a ``<tool_call>`` may be starting); each tool call as one indexe
 cache) and ``response_metadata``: ``id`` (the reply's ``chatcmpl-`` id, which its span carries as
 ``gen_ai.response.id``), ``model_name``, ``finish_reason`` and ``speculative`` (drafter,
 draft and accepted tokens, verify steps, acceptance rate, mean acceptance length counting the bonus
-token, acceptance histogram by accepted count), plus ``stats``, the full ``DecodeStats`` record,
-and ``tool_call_errors`` ({id: why}) when a call was invalid: LangChain rebuilds a streamed
-message's invalid tool calls from its chunks and leaves their ``error`` empty.
+token, acceptance histogram by accepted count), ``latency`` (the time inside the decoder, the
+plain-decoding estimate and the latency saved: the call's record, as its span reports it), plus
+``stats``, the full ``DecodeStats`` record, and ``tool_call_errors`` ({id: why}) when a call was
+invalid: LangChain rebuilds a streamed message's invalid tool calls from its chunks and leaves their
+``error`` empty.
 """
 
 from __future__ import annotations
