@@ -2,8 +2,9 @@
 
 ``_one_pass`` is one pass (draft, verify, accept, roll back) and ``_passes`` the loop around it;
 ``decode`` checks the prompt and runs them, and ``stream`` adds the pair's lock, the drafter's
-health and the prefix cache (read in ``_restore``, written in ``_save``). Every entry point
-(``generate``, the LangChain chat model, the benchmarks) consumes ``stream`` or ``decode``.
+health and the prefix cache (read in ``_restore``, written in ``_save``); ``run`` wraps ``stream`` in a
+``Run`` that ends in the call's ``CallRecord``. Every entry point (``generate``, ``agentspec.chat.run``
+for the LangChain chat model and the server, the benchmarks) consumes one of these.
 
 Cache invariant, asserted by ``ModelState``: after every step the target's cache holds exactly the
 verified sequence minus its last token, which is fed (with the next draft) on the next pass; the
