@@ -33,15 +33,12 @@ import agentspec
 openai = pytest.importorskip("openai", reason="the remote path's client (the [remote] extra)")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn", reason="agentspec serve's web stack (the serve extra)")
-pytest.importorskip(
-    "agentspec.serve", reason="agentspec serve and its web stack (the serve extra)", exc_type=ImportError
-)
-
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace import SpanKind  # noqa: E402
 
+import agentspec.serve  # noqa: E402  (the project's own: a broken import fails, never skips)
 from langchain_agentspec import ChatSpecDecode  # noqa: E402
 from langchain_agentspec.remote import SESSION_HEADERS  # noqa: E402
 
