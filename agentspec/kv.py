@@ -177,6 +177,11 @@ class PassIds:
 Segments = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, n, D]
 
 
+def cache_segments(cache: Any, length: int) -> Segments:
+    """The first ``length`` positions' keys and values of each layer of a transformers cache (views)."""
+    return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in cache.layers]
+
+
 class KVState(Protocol):
     """A model's KV state as the prefix cache reads it (``ModelState``, ``static_kv.StaticState``)."""
 
@@ -282,7 +287,7 @@ class ModelState:
         return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
     def segments(self, length: int) -> Segments:
-        return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.cache.layers]
+        return cache_segments(self.cache, length)
 
     def take(self, state: ModelState) -> ModelState:
         """The state to continue from after a prefix-cache restore gave ``state``: that one itself

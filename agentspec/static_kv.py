@@ -31,7 +31,15 @@ import torch
 from transformers import Cache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from agentspec.kv import KVState, PassIds, Segments, common_prefix_len, few_rows_pass, final_hidden
+from agentspec.kv import (
+    KVState,
+    PassIds,
+    Segments,
+    cache_segments,
+    common_prefix_len,
+    few_rows_pass,
+    final_hidden,
+)
 
 MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many tokens
 
@@ -165,7 +173,7 @@ class StaticState:
     reusable = True
 
     def segments(self, length: int) -> Segments:
-        return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.cache.layers]
+        return cache_segments(self.cache, length)
 
     def take(self, state: KVState) -> StaticState:
         """This state, now holding what ``state`` (a restored ``ModelState``) holds: copied into the

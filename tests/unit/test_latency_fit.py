@@ -26,3 +26,18 @@ def test_a_fit_through_the_origin_matches_the_points_scale():
     points = [(8, 0.0001), (32, 0.003), (64, 0.005)]
     p0, p1, _ = _fit_prefill(points)
     assert p0 == 0 and 0.00005 < p1 < 0.0001, p1  # about 5 ms / 64 tokens
+
+
+def test_a_pass_is_priced_by_its_rows():
+    """PairCost.pass_s: one row is a decode pass, a few rows that times the verify curve's V(rows),
+    MIN_PREFILL_SAMPLE rows or more the prefill curve after the cached ones."""
+    from agentspec.cost import MIN_PREFILL_SAMPLE, PairCost, VerifyCost
+
+    cost = PairCost("cpu")
+    cost.verify = VerifyCost(prior=((1, 1.0), (4, 2.0), (16, 3.0)), learn=False)
+    curve = CostModel(p0=0.1, p1=0.01, p2=1e-5, d0=0.05, d1=0.001)
+    cost.install(curve)
+    assert cost.pass_s(1, 100) == pytest.approx(curve.decode_s(100))
+    assert cost.pass_s(4, 100) == pytest.approx(2.0 * curve.decode_s(100))
+    rows = MIN_PREFILL_SAMPLE + 4
+    assert cost.pass_s(rows, 100) == pytest.approx(curve.prefill_s(rows, 100))
