@@ -45,7 +45,11 @@ def fold_groups(query: torch.Tensor, mask: torch.Tensor, groups: int) -> tuple[t
 def grouped_sdpa_forward(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
-    """``sdpa`` attention; with a mask, query groups fold into rows of the KV heads (no KV copies)."""
+    """``sdpa`` attention; with a mask, query groups fold into rows of the KV heads (no KV copies).
+    In a packed pass of several sequences (``agentspec.packed``) each attends over its own keys."""
+    pack = kwargs.pop("agentspec_pack", None)
+    if pack is not None:
+        return pack.attend(module, query, dropout, scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (
         groups == 1

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import logging
 import operator
-import threading
+import queue
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +37,7 @@ from agentspec.kv import ModelState, PassIds, to_device
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
 from agentspec.models import ModelPair
 from agentspec.sampling import make_generator, probabilities
+from agentspec.scheduler import LOOKAHEAD
 from agentspec.stats import DecodeStats
 from agentspec.text import TextTracker
 from agentspec.verify import greedy_accept, speculative_accept
@@ -375,42 +375,93 @@ def _read(result: torch.Tensor, bad: torch.Tensor | None, d: torch.Tensor | None
     return read[0], read[1], read[2 + (bad is not None) :] if d is not None else None, flagged
 
 
-def _verify(call: _Call, head: list[int], tokens, q: torch.Tensor | None) -> tuple[int, int, list[int]]:
-    """One target pass over ``head`` (tokens to feed: pending, then forced) and the draft ``tokens``
-    (host ids, or a [k] tensor on the device).
+@dataclass
+class _Pass:
+    """One call's share of a target pass: planned before the pass runs (``_plan``), landed after it
+    (``_land``). A scheduler packs the ``feed`` of several calls into one forward."""
+
+    started: float  # ``time.perf_counter()`` when the call's pass began (its drafting included)
+    at: int  # position of the pass's first token
+    pending: list[int]  # verified tokens the target has not seen: the last one at least
+    forced: list[int]  # tokens the grammar forces (certain: no model guess needed)
+    tokens: Any  # the draft: host ids, or a [k] tensor still on the device
+    n_jump: int  # of ``tokens``, the grammar's jump-forward tokens leading
+    source: str | None  # the drafter's source of the draft (None: no draft)
+    verified: bool  # a target forward runs (False: the grammar alone finishes the call)
+    feed: PassIds | None = None  # what the target is fed: pending and forced on the host, the draft
+    q: torch.Tensor | None = None  # the draft's distributions, guarded (sampled calls only)
+    bad: torch.Tensor | None = None  # a [] flag: the draft was not valid (``_guard``)
+    tap: bool = False  # the drafter reads the target's hidden states (an EAGLE head)
+    chunk: bool = False  # a chunk of the prompt only, fed beside other calls' rows: no logits, no Step
+
+    @property
+    def keep(self) -> int:
+        """The logits rows the call reads: one per draft token, and the bonus row (none for a chunk)."""
+        return 0 if self.chunk else len(self.tokens) + 1
+
+
+def _chunk(call: _Call, size: int) -> _Pass | None:
+    """The next ``size`` tokens of the prompt's uncached part, when more than ``size`` are left
+    before its last token (fed with the first full pass); else None."""
+    at = len(call.target.ids)
+    if len(call.seq) - 1 - at <= size:
+        return None
+    feed = PassIds(call.seq[at : at + size])
+    return _Pass(time.perf_counter(), at, [], [], [], 0, None, False, feed=feed, chunk=True)
+
+
+def _plan(call: _Call) -> _Pass:
+    """Draft, and what the target is to be fed: a call's share of its next pass."""
+    t0 = time.perf_counter()
+    seq, target, c = call.seq, call.target, call.constraint
+    at = len(target.ids)
+    pending = seq[at:]
+    room = call.budget - len(call.out)  # tokens this pass may add (the budget is within the context)
+    forced = c.take_forced(room) if call.jump else []
+    # read before any draft is pushed: a drafter may draft up to the grammar's stop token on the path
+    finished = c is not None and c.terminated
+    # never draft past the token budget or the context window
+    tokens, q, n_jump, source = _draft(call, forced, room - len(forced) - 1, finished)
+    verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
+    p = _Pass(t0, at, pending, forced, tokens, n_jump, source, verified)
+    if verified:
+        on_device = isinstance(tokens, torch.Tensor)
+        d = tokens if on_device else to_device(tokens, call.pair.device)  # [k]
+        q = q[: len(tokens)] if q is not None and not call.config.greedy else None
+        d, p.q, p.bad = _guard(d, q, call.vocab, on_device)
+        p.feed = PassIds(pending + forced, d)
+        p.tap = call.drafter is not None and call.drafter.uses_target_hidden
+    return p
+
+
+def _accept(call: _Call, p: _Pass, out) -> tuple[int, int, list[int]]:
+    """Accept the draft against the pass's logits ``out`` ([k+1, V], with the hidden rows when tapped).
 
     Returns (draft tokens accepted, the token drawn after them, the accepted draft tokens); the
     target is rolled back to the verified tokens, and the constraint commits them. The host reads
     the device once: the accept count, the token and (when they live there) the draft's ids.
     """
     target, c, config = call.target, call.constraint, call.config
-    tap = call.drafter is not None and call.drafter.uses_target_hidden  # an EAGLE head drafts from them
-    at = len(target.ids)  # position of the pass's first token
-    k = len(tokens)
-    on_device = isinstance(tokens, torch.Tensor)
-    d = tokens if on_device else to_device(tokens, call.pair.device)  # [k]
-    q = q[:k] if q is not None and not config.greedy else None
-    d, q, bad = _guard(d, q, call.vocab, on_device)
-    out = forward_retrying(target, PassIds(head, d), k + 1, call.free_memory, tap)
+    k, d, on_device = len(p.tokens), p.feed.device, isinstance(p.tokens, torch.Tensor)
     try:
-        logits, hidden = out if tap else (out, None)  # [k+1, V]; [pass tokens, H]
+        logits, hidden = out if p.tap else (out, None)  # [k+1, V]; [pass tokens, H]
         if c is not None:
             logits = apply_bitmask(logits, c.bitmasks(k + 1))
         if config.greedy:
             result = greedy_accept(d, logits)  # [2]
         else:
-            p = probabilities(logits, config.temperature, config.top_k, config.top_p)
-            result = speculative_accept(d, p, q, call.gen)
-        n, token, ids, flagged = _read(result, bad, d if on_device else None)
+            probs = probabilities(logits, config.temperature, config.top_k, config.top_p)
+            result = speculative_accept(d, probs, p.q, call.gen)
+        n, token, ids, flagged = _read(result, p.bad, d if on_device else None)
     except BaseException:
-        target.truncate(at)  # the pass's positions are not verified: the state stays whole
+        target.truncate(p.at)  # the pass's positions are not verified: the state stays whole
         raise
-    accepted = ids[:n] if on_device else tokens[:n]
+    accepted = ids[:n] if on_device else p.tokens[:n]
     assert 0 <= token < call.vocab, f"{token=} {call.vocab=}"
     target.settle(accepted)  # roll back the rejected draft tokens
     if hidden is not None:  # the verified positions' features
         try:
-            call.drafter.observe_hidden(at, hidden[: len(target.ids) - at])
+            call.drafter.observe_hidden(p.at, hidden[: len(target.ids) - p.at])
         except Exception as exc:
             call.drop(exc)
     if flagged and call.drafter is not None:  # verified as a model-free draft: the output stands
@@ -423,25 +474,22 @@ def _verify(call: _Call, head: list[int], tokens, q: torch.Tensor | None) -> tup
     return n, token, accepted
 
 
-def _one_pass(call: _Call) -> Step:
-    """Draft, verify, accept, roll back: what one target pass (or a grammar alone) adds to the output."""
-    t0 = time.perf_counter()
+def _verify_alone(call: _Call, p: _Pass):
+    """The call's pass as a forward of its own (a scheduler packs several calls' into one)."""
+    return forward_retrying(call.target, p.feed, p.keep, call.free_memory, p.tap)
+
+
+def _land(call: _Call, p: _Pass, out) -> Step:
+    """Accept, roll back, finish: what the pass (``out``: its logits; None when ``p.verified`` is
+    False, the grammar alone) adds to the call's output."""
     seq, target, c, stats = call.seq, call.target, call.constraint, call.stats
-    at = len(target.ids)  # position of the pass's first token
-    pending = seq[at:]  # verified tokens the target has not seen: the last one at least
-    room = call.budget - len(call.out)  # tokens this pass may add (the budget is within the context)
-    forced = c.take_forced(room) if call.jump else []  # certain: no model guess needed
-    # read before any draft is pushed: a drafter may draft up to the grammar's stop token on the path
-    finished = c is not None and c.terminated
-    # never draft past the token budget or the context window
-    tokens, q, n_jump, source = _draft(call, forced, room - len(forced) - 1, finished)
-    verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
+    tokens, forced = p.tokens, p.forced
     n, new = 0, list(forced)
-    if verified:
-        n, token, accepted = _verify(call, pending + forced, tokens, q)
-        stats.observe_step(len(tokens), n, source)
-        stats.jump_forward_tokens += n_jump
-        stats.jump_forward_accepted += min(n, n_jump)
+    if p.verified:
+        n, token, accepted = _accept(call, p, out)
+        stats.observe_step(len(tokens), n, p.source)
+        stats.jump_forward_tokens += p.n_jump
+        stats.jump_forward_accepted += min(n, p.n_jump)
         new += accepted + [token]
     new, reason, cut = _finish(new, len(call.out), call.budget, call.eos, call.text, call.out)
     if reason is None and c is not None and c.terminated:
@@ -449,7 +497,7 @@ def _one_pass(call: _Call) -> Step:
     stats.forced_tokens += min(len(forced), len(new))
     call.out += new
     seq += new
-    if call.drafter is not None and verified:
+    if call.drafter is not None and p.verified:
         try:
             call.drafter.feedback(seq, n, len(tokens))
         except Exception as exc:
@@ -463,25 +511,31 @@ def _one_pass(call: _Call) -> Step:
         stats.finish_reason = reason
         stats.total_time_s = now - call.start
     call.passes += 1
-    fed = len(pending) + len(forced) + len(tokens) if verified else 0
-    if verified:  # every timed pass teaches the pair's cost model, whoever reads it
-        call.pair.cost.observe(fed, at, now - t0)
     return Step(
         new,
         call.text.release(call.out, final=reason is not None, cut=cut),
         len(tokens),
         n,
-        len(pending) - 1 if verified else 0,
-        now - t0,
+        len(p.pending) - 1 if p.verified else 0,
+        now - p.started,
         reason,
         stats,
         forced=min(len(forced), len(new)),
-        target_pass=verified,
-        fed=fed,
-        cached=at,
+        target_pass=p.verified,
+        fed=len(p.feed) if p.verified else 0,
+        cached=p.at,
         restored=stats.cached_tokens if call.passes == 1 else 0,
-        started=t0,
+        started=p.started,
     )
+
+
+def _one_pass(call: _Call) -> Step:
+    """Draft, verify, accept, roll back: what one target pass (or a grammar alone) adds to the output."""
+    p = _plan(call)
+    step = _land(call, p, _verify_alone(call, p) if p.verified else None)
+    if step.target_pass:  # every timed pass teaches the pair's cost model, whoever reads it
+        call.pair.cost.observe(step.fed, step.cached, step.seconds)
+    return step
 
 
 def _passes(call: _Call) -> Iterator[Step]:
@@ -492,12 +546,19 @@ def _passes(call: _Call) -> Iterator[Step]:
         yield step
         if step.finish_reason is not None:
             return
-        if call.deadline is not None and time.perf_counter() > call.deadline:
-            n = len(call.out)
-            raise DecodeTimeout(
-                f"agentspec: timed out decoding after {call.config.timeout:g} s, the wait for the model "
-                f"included ({n} output {'token' if n == 1 else 'tokens'} verified by then)"
-            )
+        if (late := _late(call)) is not None:
+            raise late
+
+
+def _late(call: _Call) -> DecodeTimeout | None:
+    """The timeout of a call whose deadline has passed (None: it has time left, or no deadline)."""
+    if call.deadline is None or time.perf_counter() <= call.deadline:
+        return None
+    n = len(call.out)
+    return DecodeTimeout(
+        f"agentspec: timed out decoding after {call.config.timeout:g} s, the wait for the model "
+        f"included ({n} output {'token' if n == 1 else 'tokens'} verified by then)"
+    )
 
 
 def decode(
@@ -589,6 +650,59 @@ def _save(
     return written
 
 
+class _Member:
+    """One call as a member of its pair's scheduler (``agentspec.scheduler.Member``): its state, and
+    the Steps on their way from the scheduler's thread to the caller's (``steps``)."""
+
+    def __init__(self, pair: ModelPair, call: _Call):
+        self.pair, self.call = pair, call
+        self.target = call.target
+        self.free_memory = call.free_memory
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # Steps, then a last Step or an error
+        self.delivered = 0  # items put in the outbox
+        self.taken = 0  # items the caller took
+        self.closed = False  # the caller left: it takes no further pass
+
+    def ready(self) -> bool:
+        return not self.closed and self.delivered - self.taken < LOOKAHEAD
+
+    def share(self, chunk: int | None) -> _Pass:
+        return (_chunk(self.call, chunk) if chunk is not None else None) or _plan(self.call)
+
+    def land(self, p: _Pass, out: Any, alone: bool) -> bool:
+        if p.chunk:
+            return False
+        step = _land(self.call, p, out)
+        if alone and step.target_pass:  # a pass of its own teaches the cost model, as a solo call's
+            self.pair.cost.observe(step.fed, step.cached, step.seconds)
+        self._put(step)
+        if step.finish_reason is not None:
+            return True
+        late = _late(self.call)
+        if late is not None:
+            self._put(late)
+        return late is not None
+
+    def fail(self, exc: BaseException) -> None:
+        self._put(exc)
+
+    def _put(self, item: Step | BaseException) -> None:
+        self.delivered += 1
+        self.outbox.put(item)
+
+    def steps(self) -> Iterator[Step]:
+        """The call's Steps as the scheduler lands them; an error it met is raised here."""
+        while True:
+            item = self.outbox.get()
+            self.taken += 1
+            self.pair.scheduler.wake()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+
 def stream(
     pair: ModelPair,
     prompt_ids: Any,
@@ -602,12 +716,17 @@ def stream(
 
     ``grammar`` (an ``agentspec.grammar.Grammar`` or ``Constraint``) constrains the output; see ``decode``.
 
+    The call decodes in the pair's scheduler (``pair.scheduler``, ``agentspec.scheduler``): its passes
+    are shared with every other call running on the pair, one target forward for all of them, and
+    each call's output is what it would be alone. The pair's lock is held to join (restore from the
+    prefix cache) and to leave (save to it), never across passes.
+
     ``prefix_cache``: True uses the pair's cache (restore the longest cached prefix, save the
     verified state afterwards), False decodes from scratch (the no-reuse baseline, same loop), or
-    pass a ``PrefixCache``. The pair's lock is held while the generator runs; closing the generator
-    early releases it and still saves what was verified. With ``timeout`` (seconds), the wait for
-    the lock and the decode together are bounded: past it the call raises ``DecodeTimeout``, having
-    released the lock and, when it timed out decoding, saved what was verified as a closed stream does.
+    pass a ``PrefixCache``. Closing the generator early stops the call at the next pass and still
+    saves what was verified. With ``timeout`` (seconds), the wait to join and the decode together
+    are bounded: past it the call raises ``DecodeTimeout``, having saved what was verified, when it
+    timed out decoding, as a closed stream does.
 
     ``namespace`` keeps tenants apart: it picks the prefix cache's namespace (a call restores only
     what calls of its own namespace saved) and the drafting memory of earlier outputs
@@ -622,45 +741,49 @@ def stream(
     # the drafter's name in pair.tenants' health records (built from a name: not the caller's own)
     key = check_name(drafter) if drafter is None or isinstance(drafter, str) else None
     deadline = _deadline(config)
-    with _holding(pair.lock, config.timeout):
+    scheduler = pair.scheduler
+    with scheduler.caller_turn(config.timeout) as joined:
+        if not joined:
+            raise DecodeTimeout(
+                f"agentspec: timed out after {config.timeout:g} s waiting for the model: "
+                "another call holds it"
+            )
         ids = check_prompt(pair, prompt_ids)
         d, resting = _ready(pair.tenants, namespace, d, key)
         target = _restore(pair, cache, ids, d, namespace) if cache is not None else ModelState(pair.target)
-        ended = False  # finished, or closed by the caller: not failed
-        stats = call = None
-        try:
-            free = cache.clear if cache is not None else None
-            call = _begin(pair, ids, config, d, target, grammar, free, deadline)
-            for step in _passes(call):
-                if stats is None:  # one DecodeStats per call, shared by its steps
-                    stats = step.stats
-                    stats.draft_cooldown = resting
-                yield step
-            ended = True
-        except (GeneratorExit, DecodeTimeout):  # the state is whole between passes: saved as verified
-            ended = True
-            raise
-        finally:
-            if d is not None and key is not None and stats is not None:
-                pair.tenants.record(namespace, key, stats.draft_failures > 0, call.draft_oom)
-            if cache is not None:
-                written = _save(pair, cache, target, d, ended, namespace)
-                if stats is not None:  # the new positions are the last ones: count those in the prompt
-                    held = len(target.ids) - written
-                    stats.cache_creation_tokens = max(0, min(stats.prompt_tokens, len(target.ids)) - held)
-
-
-@contextmanager
-def _holding(lock: threading.RLock, timeout: float | None) -> Iterator[None]:
-    """``lock`` held, waited for at most ``timeout`` seconds (None: as long as it takes)."""
-    if not lock.acquire(timeout=-1 if timeout is None else timeout):
-        raise DecodeTimeout(
-            f"agentspec: timed out after {timeout:g} s waiting for the model: another call holds it"
-        )
+        free = cache.clear if cache is not None else None
+        call = _begin(pair, ids, config, d, target, grammar, free, deadline)
+        call.stats.draft_cooldown = resting
+        member = _Member(pair, call)
+        scheduler.add(member)
+    ended = False  # finished, or closed by the caller: not failed
     try:
-        yield
+        yield from member.steps()
+        ended = True
+    except (GeneratorExit, DecodeTimeout):  # the state is whole between passes: saved as verified
+        ended = True
+        raise
     finally:
-        lock.release()
+        member.closed = True
+        with scheduler.caller_turn(None):
+            scheduler.remove(member)
+            _leave(pair, cache, call, d, key, namespace, ended)
+
+
+def _leave(
+    pair: ModelPair, cache, call: _Call, d, key: str | None, namespace: str | None, ended: bool
+) -> None:
+    """A call's end, holding the pair's lock: its drafter's (``d``, dropped by the call or not)
+    health, and its verified state saved."""
+    stats = call.stats
+    if key is not None and call.passes and stats.drafter is not None:
+        pair.tenants.record(namespace, key, stats.draft_failures > 0, call.draft_oom)
+    if cache is not None:
+        target = call.target
+        written = _save(pair, cache, target, d, ended, namespace)
+        if call.passes:  # the new positions are the last ones: count those in the prompt
+            held = len(target.ids) - written
+            stats.cache_creation_tokens = max(0, min(stats.prompt_tokens, len(target.ids)) - held)
 
 
 def _pick_cache(pair: ModelPair, prefix_cache: Any):

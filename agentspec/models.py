@@ -33,6 +33,7 @@ from agentspec.drafters.eagle import is_eagle
 from agentspec.drafters.tenants import TenantStore
 from agentspec.grammar import GrammarCompiler
 from agentspec.kv import WeightFirst
+from agentspec.scheduler import Scheduler
 from agentspec.static_kv import StaticState
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,8 @@ class ModelPair:
     # drafting learned from earlier calls (outputs, calibrations) and drafters' failures and
     # cool-downs, and the pair's own record of the failures that are its (out of memory)
     tenants: TenantStore = field(init=False, repr=False, compare=False)
+    # the pair's passes, shared by every call on it (agentspec.scheduler)
+    scheduler: Scheduler = field(init=False, repr=False, compare=False)
 
     # built with the pair, not passed in:
     # the large linears of target and draft that compute verify passes weight-first, found once
@@ -242,6 +245,7 @@ class ModelPair:
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)
+        self.scheduler = Scheduler(self.lock)  # every call on the pair runs its passes here
         if self.draft_cache not in DRAFT_CACHES:
             raise ValueError(f"draft_cache: expected one of {DRAFT_CACHES}, got {self.draft_cache!r}")
 

@@ -32,10 +32,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("agentspec.decode",),
     ("agentspec.models", "agentspec.draft_folder"),
     ("agentspec.drafters",),
-    ("agentspec.cost",),
+    ("agentspec.cost", "agentspec.scheduler"),
     ("agentspec.cache", "agentspec.static_kv"),
     (
         "agentspec.kv",
+        "agentspec.packed",
         "agentspec.attention",
         "agentspec.grammar",
         "agentspec.text",

@@ -1,0 +1,133 @@
+"""One target forward over the new rows of several sequences, each with its own KV state.
+
+The sequences' new tokens are packed into one row of ``T = sum(n_i)`` tokens, with each token's own
+position; every linear, norm and MLP runs once over the ``T`` rows (the weights are read once per
+pass, whatever the number of sequences). Attention is the one step that mixes rows, and it runs per
+sequence: ``PackedPass.update`` (called by each attention layer as a cache's ``update``) appends a
+sequence's new keys and values to its own cache layer, and ``attend`` (called by the attention
+function ``agentspec_sdpa`` when the pass hands it ``agentspec_pack``) runs scaled dot-product
+attention of that sequence's queries over its own keys, with the mask a solo pass would build.
+
+Batch invariance: attention per sequence is exactly a solo pass's (same kernel, same shapes). The
+linears are row-wise, but their kernels may pick another summation order for another row count
+(``agentspec.kv.WeightFirst`` below 65 rows, the BLAS kernel's blocking above): a sequence's logits in
+a packed pass can differ from its solo pass's in the last bits, as a verify pass's differ from a
+one-token step's. The lossless tests compare tokens and report the logit margin where they differ.
+
+Why not transformers' ``continuous_batching`` (``PagedAttentionCache``): it has no per-request
+roll-back (a rejected draft must leave the cache), and its CPU path (``sdpa_paged``) gathers every
+sequence's whole cache through an index on every layer of every pass, a copy of the KV per pass.
+Here a sequence's keys are read where they are; a state keeps its own layout (``agentspec.kv``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from agentspec.attention import NAME, grouped_sdpa_forward
+from agentspec.kv import ModelState, PassIds, few_rows_pass, final_hidden
+
+
+def packable(state: ModelState) -> bool:
+    """A state whose model's attention runs through ``agentspec_sdpa`` and whose cache keeps plain
+    keys and values per layer (``ModelState.reusable``): the packed pass can feed it."""
+    config = state.model.config
+    return getattr(config, "_attn_implementation", None) == NAME and (
+        not state.cache.layers or state.reusable
+    )
+
+
+class PackedPass:
+    """The cache and attention of one packed pass (see the module docstring); ``forward`` runs it."""
+
+    def __init__(self, states: Sequence[ModelState], lengths: Sequence[int]):
+        self.states = states
+        self.spans: list[tuple[int, int]] = []
+        at = 0
+        for n in lengths:
+            self.spans.append((at, at + n))
+            at += n
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's per-sequence K, V
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, **_: object):
+        """Append each sequence's rows of ``key``/``value`` [1, Hkv, T, D] to its own cache layer."""
+        self._kv = [
+            state.cache.update(key[:, :, a:b], value[:, :, a:b], layer_idx)
+            for state, (a, b) in zip(self.states, self.spans)
+        ]
+        return key, value
+
+    def attend(self, module, query: torch.Tensor, dropout: float, scaling: float | None, **kwargs):
+        """Each sequence's queries over its own keys: [1, T, Hq, D], as an attention function returns."""
+        outs = []
+        for (a, b), (k, v) in zip(self.spans, self._kv):
+            q = query[:, :, a:b]
+            n, length = b - a, k.shape[2]
+            mask = None
+            if n > 1:  # causal, the rows after the cached ones: what sdpa_mask builds for a solo pass
+                rows = torch.arange(length - n, length, device=q.device)[:, None]
+                mask = (torch.arange(length, device=q.device)[None, :] <= rows)[None, None]
+            outs.append(self._one(module, q, k, v, mask, dropout, scaling, **kwargs))
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], None
+
+    @staticmethod
+    def _one(module, q, k, v, mask, dropout, scaling, **kwargs) -> torch.Tensor:
+        if mask is None:
+            return sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, **kwargs)[
+                0
+            ]
+        return grouped_sdpa_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+
+
+@torch.inference_mode()
+def forward_packed(
+    states: Sequence[ModelState], news: Sequence[PassIds], keeps: Sequence[int], hidden: bool = False
+) -> list:
+    """One forward of the states' model over every ``news[i]`` after ``states[i]``'s cached ids.
+
+    Returns per state its last ``keeps[i]`` logits rows [keeps[i], V] (0: none), with ``hidden`` as
+    (logits, final-norm output of its new rows [n_i, H]); each state then covers its new ids as after
+    ``ModelState.forward`` (device ids ``unread``). A failed pass rolls every state back to before it.
+    """
+    model = states[0].model
+    device = model.device
+    lengths = [len(n) for n in news]
+    held = [len(s.ids) + s.unread for s in states]
+    ids = torch.cat([n.tensor(device) for n in news], dim=1)  # [1, T]
+    positions = torch.cat([torch.arange(h, h + n, device=device) for h, n in zip(held, lengths)])[None]
+    ends = torch.tensor(lengths).cumsum(0)
+    rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends.tolist(), keeps)]).to(device)
+    pack = PackedPass(states, lengths)
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(few_rows_pass(sum(lengths)))
+            captured = stack.enter_context(final_hidden(model)) if hidden else None
+            out = model(
+                input_ids=ids,
+                position_ids=positions,
+                # a 4-D mask is taken as it is by transformers' mask builders, which then build none;
+                # the packed pass masks each sequence itself (``PackedPass.attend``): never read
+                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
+                cache=pack,
+                use_cache=True,
+                logits_to_keep=rows,
+                agentspec_pack=pack,
+            )
+    except BaseException:
+        for state, h in zip(states, held):
+            state._roll_back(h)
+        raise
+    logits = out.logits[0]  # [sum(keeps), V]
+    results, at = [], 0
+    for state, new, keep, (a, b) in zip(states, news, keeps, pack.spans):
+        state.ids.extend(new.host)
+        state.unread += len(new) - len(new.host)
+        state.check()
+        rows_i = logits[at : at + keep]
+        at += keep
+        results.append((rows_i, captured[-1][0, a:b]) if captured is not None else rows_i)
+    return results

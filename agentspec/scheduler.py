@@ -1,0 +1,229 @@
+"""A pair's passes, shared by every call on it: continuous batching of draft/verify passes.
+
+Every call on a pair (``agentspec.decode.stream`` and all that consume it: ``generate``, the chat
+model's invoke, stream, batch and async forms, the server) is a ``Member`` of the pair's one
+``Scheduler``. Its thread runs the passes: each pass asks every running member for its share (its
+draft, and the tokens to feed: pending, forced, drafted), runs **one** target forward over the new
+rows of all of them (``agentspec.packed``), and hands each member its logits to accept, roll back and
+turn into its caller's Step. Members join between passes (the caller's thread restores the prefix
+cache and begins the call while it holds the pair's lock) and leave between passes (the caller's
+thread saves the verified state); no call holds the lock across passes: the scheduler takes it for
+each pass, and hands it to callers waiting to join or leave before the next.
+
+A long prompt joining while others decode is prefilled in chunks of ``prefill_chunk`` tokens, one
+per pass, beside the others' rows (vLLM's chunked prefill), so it does not stall them. A member
+whose caller has not taken its last ``LOOKAHEAD`` Steps sits out passes until it does.
+
+Failures stay with their member: a share that cannot be planned or landed fails that call alone; a
+packed forward that fails is retried per member (out of memory: in halves, after freeing memory),
+so only the member whose rows fail gets the error. The state of every other member is whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentspec.kv import ModelState, PassIds
+from agentspec.memory import forward_retrying, is_oom, release_cached_memory
+from agentspec.packed import forward_packed, packable
+
+log = logging.getLogger(__name__)
+
+LOOKAHEAD = 4  # Steps a member may run ahead of its caller before it sits out passes
+PREFILL_CHUNK = 256  # prompt tokens a joining member feeds per pass while others decode
+
+
+class Share(Protocol):
+    """A member's part of one pass, as the scheduler reads it."""
+
+    feed: PassIds | None  # the target's new tokens (None: no forward, e.g. a grammar alone finishes)
+
+    @property
+    def keep(self) -> int:
+        """The logits rows the member reads (the last ones of its feed; 0: none)."""
+        ...
+
+    tap: bool  # the member reads the final norm's output of its rows too
+
+
+class Member(Protocol):
+    """A call in the scheduler (``agentspec.decode`` makes them)."""
+
+    target: ModelState  # the target's state its shares are fed into
+    free_memory: Callable[[], None] | None  # frees memory before a forward is retried
+
+    def ready(self) -> bool:
+        """It takes part in the next pass (its caller has kept up, and has not left)."""
+        ...
+
+    def share(self, chunk: int | None) -> Share:
+        """Its share of the next pass; ``chunk``: the most uncached prompt tokens it may feed."""
+        ...
+
+    def land(self, share: Share, out: Any, alone: bool) -> bool:
+        """Take the pass's result (logits, or None: no forward); True when it leaves the running set
+        (finished, failed or timed out: it told its caller)."""
+        ...
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell its caller the call failed with ``exc``; it leaves the running set."""
+        ...
+
+
+@dataclass
+class SchedulerStats:
+    """What the scheduler has done, for metrics (read without the pair's lock: a snapshot)."""
+
+    running: int = 0  # members decoding
+    waiting: int = 0  # callers waiting to join (for the lock, or for a slot)
+    passes: int = 0  # target forwards run
+    rows: int = 0  # tokens fed over all those forwards
+    members: int = 0  # member shares over all those forwards (members per pass = members / passes)
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (members, rows) of recent passes
+
+
+class Scheduler:
+    """The passes of one pair (``ModelPair.scheduler``); see the module docstring."""
+
+    def __init__(self, lock: threading.RLock, prefill_chunk: int = PREFILL_CHUNK):
+        self.lock = lock  # the pair's: held for each pass, and by callers joining or leaving
+        self.prefill_chunk = prefill_chunk
+        self.running: list[Member] = []
+        self.stats = SchedulerStats()
+        self._turns = threading.Condition()  # guards _callers and _thread; wakes the pass loop
+        self._callers = 0  # callers waiting for the lock: the pass loop lets them in first
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def caller_turn(self, timeout: float | None) -> Iterator[bool]:
+        """The pair's lock for a caller (to join or leave), before the next pass; yields False when
+        ``timeout`` (seconds; None: no limit) ran out first."""
+        with self._turns:
+            self._callers += 1
+            self.stats.waiting += 1
+        got = self.lock.acquire(timeout=-1 if timeout is None else timeout)
+        try:
+            yield got
+        finally:
+            if got:
+                self.lock.release()
+            with self._turns:
+                self._callers -= 1
+                self.stats.waiting -= 1
+                self._turns.notify_all()
+
+    def add(self, member: Member) -> None:
+        """Run ``member`` from the next pass on (the caller holds the lock: ``caller_turn``)."""
+        self.running.append(member)
+        self.stats.running = len(self.running)
+        with self._turns:
+            if self._thread is None:
+                # not a daemon: at exit the interpreter waits for the passes under way (the thread ends
+                # once no call runs), instead of tearing down torch beneath them
+                self._thread = threading.Thread(target=self._loop, name="agentspec-passes")
+                self._thread.start()
+            self._turns.notify_all()
+
+    def remove(self, member: Member) -> None:
+        """Stop running ``member`` (the caller holds the lock); a member no longer running is left alone."""
+        if member in self.running:
+            self.running.remove(member)
+            self.stats.running = len(self.running)
+
+    def wake(self) -> None:
+        """A caller took a Step (or left): a member that sat out may run again."""
+        with self._turns:
+            self._turns.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._turns:
+                while self._callers:  # joining and leaving go first: they are quick
+                    self._turns.wait()
+            with self.lock:
+                if not self.running:
+                    with self._turns:
+                        self._thread = None
+                    return
+                members = [m for m in self.running if m.ready()]
+                if members:
+                    self._pass(members)
+            if not members:  # every caller is behind: wait for one to take a Step
+                with self._turns:
+                    self._turns.wait(timeout=0.05)
+
+    def _pass(self, members: list[Member]) -> None:
+        chunk = self.prefill_chunk if len(members) > 1 else None
+        shares = []
+        for m in members:
+            try:
+                shares.append((m, m.share(chunk)))
+            except Exception as exc:  # that call's own failure: the others run
+                self._fail(m, exc)
+        fed = [(m, s) for m, s in shares if s.feed is not None]
+        outs = self._forward(fed) if fed else {}
+        if fed:
+            self.stats.passes += 1
+            self.stats.members += len(fed)
+            rows = sum(len(s.feed) for _, s in fed)
+            self.stats.rows += rows
+            self.stats.recent.append((len(fed), rows))
+        alone = len(fed) == 1
+        for m, s in shares:
+            out = outs.get(id(m))
+            if isinstance(out, BaseException):
+                self._fail(m, out)
+                continue
+            try:
+                left = m.land(s, out, alone)
+            except Exception as exc:
+                self._fail(m, exc)
+                continue
+            if left:
+                self.remove(m)
+
+    def _fail(self, member: Member, exc: BaseException) -> None:
+        self.remove(member)
+        member.fail(exc)
+
+    def _forward(self, fed: list[tuple[Member, Share]]) -> dict[int, Any]:
+        """Each fed member's logits (or the exception its rows failed with), by ``id(member)``."""
+        if len(fed) == 1:
+            m, s = fed[0]
+            return {id(m): self._alone(m, s)}
+        states = [m.target for m, _ in fed]
+        if not all(packable(state) for state in states):  # a model or cache the packed pass cannot feed
+            return {id(m): self._alone(m, s) for m, s in fed}
+        tap = any(s.tap for _, s in fed)
+        try:
+            outs = forward_packed(states, [s.feed for _, s in fed], [s.keep for _, s in fed], tap)
+        except Exception as exc:
+            if is_oom(exc):
+                log.warning("out of memory in a pass of %d calls: retrying them in halves", len(fed))
+                self._free(fed)
+            half = len(fed) // 2  # otherwise one call's rows may be at fault: narrow it down
+            return {**self._forward(fed[:half]), **self._forward(fed[half:])}
+        return {id(m): out if s.tap or not tap else out[0] for (m, s), out in zip(fed, outs)}
+
+    @staticmethod
+    def _alone(member: Member, share: Share) -> Any:
+        try:
+            return forward_retrying(member.target, share.feed, share.keep, member.free_memory, share.tap)
+        except Exception as exc:
+            return exc
+
+    @staticmethod
+    def _free(fed: list[tuple[Member, Share]]) -> None:
+        frees = {id(m.free_memory): m.free_memory for m, _ in fed if m.free_memory is not None}
+        for free in frees.values():
+            try:
+                free()
+            except Exception:  # freeing is best effort: the retry says whether it sufficed
+                log.exception("freeing memory before a retry failed")
+        release_cached_memory()
