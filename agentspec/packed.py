@@ -22,6 +22,7 @@ Here a sequence's keys are read where they are; a state keeps its own layout (``
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from contextlib import ExitStack
 
@@ -99,8 +100,8 @@ def forward_packed(
     held = [len(s.ids) + s.unread for s in states]
     ids = torch.cat([n.tensor(device) for n in news], dim=1)  # [1, T]
     positions = torch.cat([torch.arange(h, h + n, device=device) for h, n in zip(held, lengths)])[None]
-    ends = torch.tensor(lengths).cumsum(0)
-    rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends.tolist(), keeps)]).to(device)
+    ends = itertools.accumulate(lengths)
+    rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, keeps)]).to(device)
     pack = PackedPass(states, lengths)
     try:
         with ExitStack() as stack:

@@ -25,7 +25,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,6 +99,18 @@ class Scheduler:
         self._turns = threading.Condition()  # guards _callers and _thread; wakes the pass loop
         self._callers = 0  # callers waiting for the lock: the pass loop lets them in first
         self._thread: threading.Thread | None = None
+        self._observers: list[Callable[[], AbstractContextManager]] = []
+
+    @contextmanager
+    def observing(self, observer: Callable[[], AbstractContextManager]) -> Iterator[None]:
+        """Within the block, each pass runs inside a fresh ``observer()`` in the pass thread: a way
+        in for what watches the thread's tensor calls (``agentspec.bench.syncs.HostSyncs``), since
+        a ``TorchFunctionMode`` entered in the caller's thread does not see the passes."""
+        self._observers.append(observer)
+        try:
+            yield
+        finally:
+            self._observers.remove(observer)
 
     @contextmanager
     def caller_turn(self, timeout: float | None) -> Iterator[bool]:
@@ -146,12 +158,14 @@ class Scheduler:
             with self._turns:
                 while self._callers:  # joining and leaving go first: they are quick
                     self._turns.wait()
-            with self.lock:
+            with self.lock, ExitStack() as observed:
                 if not self.running:
                     with self._turns:
                         self._thread = None
                     return
                 members = [m for m in self.running if m.ready()]
+                for observer in tuple(self._observers):
+                    observed.enter_context(observer())
                 if members:
                     self._pass(members)
             if not members:  # every caller is behind: wait for one to take a Step

@@ -41,7 +41,7 @@ for d in drafters:
         for cached in (False, True):
             cache = PrefixCache(1 << 30) if cached else False
             agentspec.generate(pair, ids, drafter=d, prefix_cache=cache, max_new_tokens=n, **options)
-            with HostSyncs() as syncs:
+            with HostSyncs(pair) as syncs:
                 steps = list(
                     agentspec.stream(pair, ids, drafter=d, prefix_cache=cache, max_new_tokens=n, **options)
                 )

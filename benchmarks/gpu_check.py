@@ -409,7 +409,7 @@ def phase_syncs(plan: Plan) -> dict[str, Any]:
     rows = {}
     for name in ("model", "prompt_lookup", "suffix", "model_scheduled", "auto", "none"):
         speculate(pair, ids, name, 4)  # warm-up
-        with HostSyncs() as syncs:
+        with HostSyncs(pair) as syncs:
             _, steps = speculate(pair, ids, name, 2 * plan.new_tokens)
         passes = sum(s.target_pass for s in steps)
         rows[name] = {

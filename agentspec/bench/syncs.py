@@ -18,6 +18,7 @@ from __future__ import annotations
 import traceback
 import warnings
 from collections import Counter
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -28,15 +29,18 @@ SYNCING = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__in
 
 
 class HostSyncs(TorchFunctionMode):
-    """Within ``with HostSyncs() as syncs:``, ``syncs.count`` counts the reads of tensor values.
+    """Within ``with HostSyncs(pair) as syncs:``, ``syncs.count`` counts the reads of tensor values,
+    in this thread and in the passes of the pairs given (their schedulers' thread).
 
     ``syncs.where`` counts them by the innermost agentspec source line that made them (the file
     and line under ``agentspec/``, else the caller's), for finding the one that costs.
     ``syncs.cuda`` counts the syncs CUDA reported (0 on other devices).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *pairs: Any) -> None:
         super().__init__()
+        self._pairs = pairs
+        self._stack = ExitStack()
         self.count = 0
         self.cuda = 0
         self.where: Counter[str] = Counter()
@@ -49,6 +53,9 @@ class HostSyncs(TorchFunctionMode):
             self.where[_site()] += 1
         return func(*args, **(kwargs or {}))
 
+    def _in_passes(self) -> TorchFunctionMode:
+        return _Counting(self)
+
     def __enter__(self):
         if torch.cuda.is_available():
             self._debug_mode = torch.cuda.get_sync_debug_mode()
@@ -56,16 +63,30 @@ class HostSyncs(TorchFunctionMode):
             self._caught = self._warnings.__enter__()
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
+        for pair in self._pairs:
+            self._stack.enter_context(pair.scheduler.observing(self._in_passes))
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        self._stack.close()
         if self._debug_mode is not None:
             torch.cuda.set_sync_debug_mode(self._debug_mode)
             self.cuda = sum("synchronizing" in str(w.message) for w in self._caught)
             self._warnings.__exit__(None, None, None)
             self._debug_mode = None
         return out
+
+
+class _Counting(TorchFunctionMode):
+    """``HostSyncs``'s count, entered in a pair's pass thread around each pass."""
+
+    def __init__(self, syncs: HostSyncs) -> None:
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.syncs.__torch_function__(func, types, args, kwargs)
 
 
 def _site() -> str:

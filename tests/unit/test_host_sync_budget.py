@@ -40,7 +40,7 @@ def prompt() -> list[int]:
 
 def _syncs_per_pass(pair, prompt, drafter, prefix_cache) -> tuple[float, list[int]]:
     agentspec.generate(pair, prompt, drafter=drafter, prefix_cache=prefix_cache, max_new_tokens=4)
-    with HostSyncs() as syncs:
+    with HostSyncs(pair) as syncs:
         steps = list(
             agentspec.stream(pair, prompt, drafter=drafter, prefix_cache=prefix_cache, max_new_tokens=N_NEW)
         )
@@ -68,7 +68,7 @@ def test_an_eagle_head_drafts_on_the_device_too(tiny_llama, fake_tokenizer, prom
 
 def test_sampled_verification_reads_once_per_pass(pair, prompt):
     options = {"temperature": 0.8, "seed": 3, "max_new_tokens": N_NEW, "prefix_cache": False}
-    with HostSyncs() as syncs:
+    with HostSyncs(pair) as syncs:
         steps = list(agentspec.stream(pair, prompt, drafter="prompt_lookup", **options))
     assert syncs.count == sum(step.target_pass for step in steps), syncs.where
 

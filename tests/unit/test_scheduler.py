@@ -1,0 +1,256 @@
+"""Calls running together on one pair share its passes, and each gets exactly its solo output.
+
+Every test starts its calls while holding the pair's lock, so they all join before the first pass
+(``start_together``): the passes are shared by construction, not by luck of timing. Greedy outputs
+are compared with transformers' own greedy decoding of the target alone; where one differs, the
+failure names the logit margin at the first differing token (a near-tie is a rounding question of
+the packed pass's row count, anything larger a bug).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+import agentspec
+from agentspec import Draft, ModelPair
+from agentspec.attention import use_grouped_sdpa
+from agentspec.cache import PrefixCache
+from agentspec.decode import DecodeTimeout
+from agentspec.drafters import Drafter
+from agentspec.memory import DeviceOutOfMemory
+
+N_NEW = 16
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def bpair(one_thread, target, draft, tokenizer) -> ModelPair:
+    """The conftest pair's models, on the attention the packed pass needs (as ``load_pair`` sets)."""
+    t, d = copy.deepcopy(target), copy.deepcopy(draft)
+    assert use_grouped_sdpa(t) and use_grouped_sdpa(d)
+    return ModelPair(
+        target=t, draft=d, tokenizer=tokenizer, name="tiny-batched", prefix_cache=PrefixCache(16 << 20)
+    )
+
+
+@pytest.fixture(scope="module")
+def cases(bpair, greedy_cases):
+    return greedy_cases(bpair.target, 8, N_NEW, every=3, seed=7)
+
+
+def start_together(pair: ModelPair, calls: list) -> list:
+    """Run ``calls`` (functions of no argument) in threads that all join the scheduler before its
+    first pass; return their results (an exception raised is returned as the result)."""
+    results: list = [None] * len(calls)
+    waiting0 = pair.scheduler.stats.waiting
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    with pair.lock:
+        for t in threads:
+            t.start()
+        for _ in range(2000):  # every thread is waiting for the lock to join (bounded)
+            if pair.scheduler.stats.waiting - waiting0 >= len(calls):
+                break
+            time.sleep(0.005)
+        assert pair.scheduler.stats.waiting - waiting0 >= len(calls), "the calls did not all wait to join"
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "a call did not finish"
+    return results
+
+
+@torch.inference_mode()
+def margin_note(model, prompt: list[int], got: list[int], want: list[int]) -> str:
+    """Where ``got`` first differs from ``want``: the target's logit margin between the two tokens."""
+    i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+    logits = model(input_ids=torch.tensor([prompt + want[:i]])).logits[0, -1]
+    return f"first difference at token {i}: margin {float(logits[want[i]] - logits[got[i]]):.3g}"
+
+
+def assert_same(model, prompt, got, want) -> None:
+    assert got == want, margin_note(model, prompt, got, want) if got[: len(want)] != want else "length"
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_concurrent_greedy_calls_equal_their_solo_decoding_in_shared_passes(bpair, cases, k):
+    drafters = ["model", "prompt_lookup", "none", "suffix", "auto"]
+    chosen = cases[:k]
+    s = bpair.scheduler.stats
+    passes0, members0 = s.passes, s.members
+    forwards = []
+    hook = bpair.target.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        results = start_together(
+            bpair,
+            [
+                lambda p=p, i=i: agentspec.generate(
+                    bpair, p, drafters[i % len(drafters)], False, max_new_tokens=N_NEW
+                )
+                for i, (p, _) in enumerate(chosen)
+            ],
+        )
+    finally:
+        hook.remove()
+    for (prompt, want), r in zip(chosen, results):
+        assert not isinstance(r, Exception), r
+        assert_same(bpair.target, prompt, r.token_ids, want)
+    # one target forward per pass, and the passes were shared
+    assert len(forwards) == s.passes - passes0
+    assert s.members - members0 > s.passes - passes0
+
+
+def test_a_call_joining_and_one_leaving_mid_decode_change_nothing(bpair, cases, hf_greedy):
+    (p1, _), (p2, want2) = cases[0], cases[1]
+    long_want = hf_greedy(bpair.target, p1, 40)
+    steps = agentspec.stream(bpair, p1, "model", False, max_new_tokens=40)
+    got = list(next(steps).tokens)
+    joined: list = []
+    t = threading.Thread(
+        target=lambda: joined.append(agentspec.generate(bpair, p2, "model", False, max_new_tokens=N_NEW))
+    )
+    t.start()
+    for step in steps:
+        got += step.tokens
+    t.join(timeout=120)
+    assert_same(bpair.target, p1, got, long_want)
+    assert_same(bpair.target, p2, joined[0].token_ids, want2)
+
+
+def test_a_stream_closed_early_leaves_the_others_and_the_cache_whole(bpair, cases):
+    (p1, _), (p2, want2) = cases[2], cases[3]
+    gate = threading.Event()
+
+    def closed_after_two():
+        steps = agentspec.stream(bpair, p1, "model", True, max_new_tokens=N_NEW)
+        next(steps), next(steps)
+        steps.close()
+        gate.set()
+        return "closed"
+
+    results = start_together(
+        bpair, [closed_after_two, lambda: agentspec.generate(bpair, p2, "model", True, max_new_tokens=N_NEW)]
+    )
+    assert results[0] == "closed" and gate.is_set()
+    assert_same(bpair.target, p2, results[1].token_ids, want2)
+    bpair.prefix_cache.tree.check()
+    again = agentspec.generate(bpair, p1, "model", True, max_new_tokens=N_NEW)  # restores what was saved
+    assert_same(bpair.target, p1, again.token_ids, cases[2][1])
+
+
+class Slow(Drafter):
+    """Proposes nothing, slowly: a call drafting with it takes at least ``seconds`` a pass."""
+
+    name = "slow"
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def propose(self, seq, k, config, generator) -> Draft:
+        time.sleep(self.seconds)
+        return Draft([])
+
+
+def test_a_call_timing_out_beside_others_leaves_them_whole(bpair, cases):
+    (p1, _), (p2, want2) = cases[4], cases[5]
+    # 16 passes of at least 0.25 s cannot finish within the 2 s timeout, which the join cannot use up
+    results = start_together(
+        bpair,
+        [
+            lambda: agentspec.generate(bpair, p1, Slow(0.25), False, max_new_tokens=N_NEW, timeout=2),
+            lambda: agentspec.generate(bpair, p2, "model", False, max_new_tokens=N_NEW),
+        ],
+    )
+    assert isinstance(results[0], DecodeTimeout) and "timed out decoding" in str(results[0])
+    assert_same(bpair.target, p2, results[1].token_ids, want2)
+
+
+class Crashing(Drafter):
+    name = "crashing"
+
+    def propose(self, seq, k, config, generator) -> Draft:
+        raise RuntimeError("the drafter broke")
+
+
+def test_one_calls_drafter_crashing_falls_back_alone(bpair, cases):
+    chosen = cases[:4]
+    results = start_together(
+        bpair,
+        [
+            lambda p=p, i=i: agentspec.generate(
+                bpair, p, Crashing() if i == 0 else "model", False, max_new_tokens=N_NEW
+            )
+            for i, (p, _) in enumerate(chosen)
+        ],
+    )
+    for i, ((prompt, want), r) in enumerate(zip(chosen, results)):
+        assert_same(bpair.target, prompt, r.token_ids, want)
+        assert r.stats.draft_failures == (1 if i == 0 else 0)
+
+
+def test_an_out_of_memory_pass_is_retried_with_fewer_calls(bpair, cases, monkeypatch):
+    import agentspec.scheduler as scheduler
+
+    real, failed = scheduler.forward_packed, []
+
+    def once_out_of_memory(states, *args, **kwargs):
+        if len(states) > 2 and not failed:
+            failed.append(len(states))
+            raise DeviceOutOfMemory("CUDA out of memory (injected)")
+        return real(states, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "forward_packed", once_out_of_memory)
+    chosen = cases[:4]
+    results = start_together(
+        bpair,
+        [lambda p=p: agentspec.generate(bpair, p, "model", False, max_new_tokens=N_NEW) for p, _ in chosen],
+    )
+    assert failed == [4]
+    for (prompt, want), r in zip(chosen, results):
+        assert_same(bpair.target, prompt, r.token_ids, want)
+
+
+def test_a_seeded_sampled_call_draws_the_same_beside_others(bpair, cases):
+    prompt = cases[6][0]
+    options = dict(max_new_tokens=N_NEW, temperature=1.0, seed=1234)
+    alone = agentspec.generate(bpair, prompt, "model", False, **options).token_ids
+    results = start_together(
+        bpair,
+        [lambda: agentspec.generate(bpair, prompt, "model", False, **options)]
+        + [
+            lambda p=p: agentspec.generate(bpair, p, "model", False, max_new_tokens=N_NEW)
+            for p, _ in cases[:3]
+        ],
+    )
+    assert results[0].token_ids == alone
+
+
+def test_a_long_prompt_joins_in_chunks_beside_decoding_calls(bpair, cases, monkeypatch, hf_greedy):
+    monkeypatch.setattr(bpair.scheduler, "prefill_chunk", 8)
+    long_prompt = (cases[0][0] * 10)[:90]
+    want = hf_greedy(bpair.target, long_prompt, 8)
+    s = bpair.scheduler.stats
+    s.recent.clear()
+    results = start_together(
+        bpair,
+        [lambda: agentspec.generate(bpair, long_prompt, "none", False, max_new_tokens=8)]
+        + [
+            lambda p=p: agentspec.generate(bpair, p, "none", False, max_new_tokens=N_NEW)
+            for p, _ in cases[1:3]
+        ],
+    )
+    assert_same(bpair.target, long_prompt, results[0].token_ids, want)
+    for (prompt, w), r in zip(cases[1:3], results[1:]):
+        assert_same(bpair.target, prompt, r.token_ids, w)
+    # no pass fed more than a chunk of each prompt (plus a pending token) beside the others' rows
+    assert max(rows for _, rows in s.recent) <= 3 * (8 + 1)
