@@ -876,21 +876,20 @@ class Run:
         self._failed = False
 
     def __iter__(self) -> Iterator[Step]:
-        # Passes are timed by the loop (Step.started, Step.seconds, on the call's perf_counter clock);
-        # timed here is only the decoder's time around them: from each resume to its next pass (the
-        # lock wait and cache restore before the first), and the cleanup after the last (``close``).
-        resumed = time.perf_counter()
+        # Passes are timed by the loop (Step.started, Step.seconds, on the call's perf_counter clock),
+        # in the pair's scheduler thread, which runs ahead of the caller: the decoder's time is from
+        # the call's start (the wait to join and the cache restore included) to the end of its last
+        # pass, and the cleanup after it (``close``), not the time the caller spent between Steps.
         try:
             for step in self._steps:
-                self._decode_s += step.started - resumed + step.seconds
-                self.steps.append(step)
                 end = step.started + step.seconds - self.start
+                self._decode_s = end
+                self.steps.append(step)
                 if self._ttft_s is None and step.tokens:
                     self._ttft_s = end
                 if self._first_chunk_s is None and (step.text or step.finish_reason is not None):
                     self._first_chunk_s = end
                 yield step
-                resumed = time.perf_counter()
         except Exception:
             self._failed = True  # the decoder raised: not a close by the caller
             raise

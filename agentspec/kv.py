@@ -62,6 +62,29 @@ def _weight_first(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class Batcher(Protocol):
+    """Runs the ``ModelState.forward`` calls of several threads together (``agentspec.packed.Rendezvous``)."""
+
+    def forward(self, state: ModelState, new: PassIds, keep: int, hidden: bool) -> Any:
+        """``state.forward_now(new, keep, hidden)``'s result, computed in one pass with the other
+        threads' calls."""
+        ...
+
+
+# Set around a scheduler's drafting, in each drafting thread: that thread's ModelState passes go through it
+_BATCHER: ContextVar[Batcher | None] = ContextVar("agentspec_batcher", default=None)
+
+
+@contextmanager
+def batching(batcher: Batcher) -> Iterator[None]:
+    """Within the block, this thread's ``ModelState.forward`` calls run through ``batcher``."""
+    token = _BATCHER.set(batcher)
+    try:
+        yield
+    finally:
+        _BATCHER.reset(token)
+
+
 # Set by ModelState.forward around a pass of 2..FEW_ROWS new tokens, in its own thread (and task) only
 _FEW_ROWS_PASS: ContextVar[bool] = ContextVar("agentspec_few_rows_pass", default=False)
 
@@ -251,15 +274,23 @@ class ModelState:
         self.truncate(min(common_prefix_len(self.ids, seq, start), end))
         return seq[len(self.ids) : end]
 
-    @torch.inference_mode()
     def forward(self, new_ids: list[int] | PassIds, keep: int, hidden: bool = False):
         """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
 
         ``PassIds`` with device ids: those positions are ``unread`` after the pass (no host read).
         With ``hidden``, return (logits, the final norm's output for ``new_ids`` [len(new_ids), H]):
-        the features an EAGLE head drafts from (``agentspec.drafters.eagle``).
+        the features an EAGLE head drafts from (``agentspec.drafters.eagle``). In a thread that a
+        scheduler drafts in (``batching``), the pass is shared with the other drafting threads'.
         """
         new = new_ids if isinstance(new_ids, PassIds) else PassIds(new_ids)
+        batcher = _BATCHER.get()
+        if batcher is not None:
+            return batcher.forward(self, new, keep, hidden)
+        return self.forward_now(new, keep, hidden)
+
+    @torch.inference_mode()
+    def forward_now(self, new: PassIds, keep: int, hidden: bool = False):
+        """``forward``, in a pass of its own."""
         assert len(new), "forward needs at least one new token"
         assert not (self.unread and new.host), "host ids cannot follow unread positions: settle first"
         x = new.tensor(self.model.device)

@@ -245,7 +245,8 @@ class ModelPair:
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)
-        self.scheduler = Scheduler(self.lock)  # every call on the pair runs its passes here
+        # every call on the pair runs its passes here; drafters share a draft state unless dynamic
+        self.scheduler = Scheduler(self.lock, batch_drafts=self.draft_cache == "dynamic")
         if self.draft_cache not in DRAFT_CACHES:
             raise ValueError(f"draft_cache: expected one of {DRAFT_CACHES}, got {self.draft_cache!r}")
 

@@ -23,8 +23,11 @@ Here a sequence's keys are read where they are; a state keeps its own layout (``
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -132,3 +135,80 @@ def forward_packed(
         at += keep
         results.append((rows_i, captured[-1][0, a:b]) if captured is not None else rows_i)
     return results
+
+
+@dataclass
+class _Request:
+    state: ModelState
+    new: PassIds
+    keep: int
+    hidden: bool
+    out: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class Rendezvous:
+    """The ``ModelState.forward`` calls of ``parties`` threads, run together (``agentspec.kv.Batcher``).
+
+    A scheduler drafts for its calls in threads of their own, one per call, each inside
+    ``agentspec.kv.batching(rendezvous)``: a draft model's step waits until every thread still
+    drafting has asked for its own step (or finished), and then the calls on one model run as one
+    packed forward, so a draft model takes one step per draft position for all the calls, not one
+    per call. A thread leaves (``leave``) when its drafting is done. A packed forward that fails is
+    run again call by call, so only a call whose own pass fails gets its error.
+    """
+
+    def __init__(self, parties: int):
+        self.active = parties  # threads still drafting
+        self._cond = threading.Condition()
+        self._waiting: list[_Request] = []
+
+    def forward(self, state: ModelState, new: PassIds, keep: int, hidden: bool) -> Any:
+        if hidden or not packable(state):  # not one the packed pass can feed: its own pass
+            return state.forward_now(new, keep, hidden)
+        request = _Request(state, new, keep, hidden)
+        with self._cond:
+            self._waiting.append(request)
+            self._run_if_all_here()
+            while not request.done:
+                self._cond.wait()
+        if request.error is not None:
+            raise request.error
+        return request.out
+
+    def leave(self) -> None:
+        with self._cond:
+            self.active -= 1
+            self._run_if_all_here()
+
+    def _run_if_all_here(self) -> None:
+        """With the condition held: once every drafting thread waits, run their passes (here)."""
+        if not self._waiting or len(self._waiting) < self.active:
+            return
+        waiting, self._waiting = self._waiting, []
+        by_model: dict[int, list[_Request]] = {}
+        for r in waiting:
+            by_model.setdefault(id(r.state.model), []).append(r)
+        for group in by_model.values():
+            _run(group)
+        self._cond.notify_all()
+
+
+def _run(group: list[_Request]) -> None:
+    """Each request's result (or error): one packed forward, or, alone or when that fails, one by one."""
+    outs = None
+    if len(group) > 1:
+        try:
+            outs = forward_packed([r.state for r in group], [r.new for r in group], [r.keep for r in group])
+        except Exception:  # one request's rows may be at fault: each is run alone below
+            outs = None
+    for i, r in enumerate(group):
+        if outs is not None:
+            r.out = outs[i]
+        else:
+            try:
+                r.out = r.state.forward_now(r.new, r.keep, r.hidden)
+            except Exception as exc:
+                r.error = exc
+        r.done = True

@@ -25,17 +25,19 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentspec.kv import ModelState, PassIds
+from agentspec.kv import ModelState, PassIds, batching
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
-from agentspec.packed import forward_packed, packable
+from agentspec.packed import Rendezvous, forward_packed, packable
 
 log = logging.getLogger(__name__)
 
 LOOKAHEAD = 4  # Steps a member may run ahead of its caller before it sits out passes
+DRAFTING_THREADS = 32  # members drafting at once (a wave); their draft-model steps are packed together
 PREFILL_CHUNK = 256  # prompt tokens a joining member feeds per pass while others decode
 
 
@@ -88,12 +90,32 @@ class SchedulerStats:
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (members, rows) of recent passes
 
 
+def _share(member: Member, chunk: int | None) -> Share | Exception:
+    try:
+        return member.share(chunk)
+    except Exception as exc:
+        return exc
+
+
+def _drafted(meeting: Rendezvous, member: Member, chunk: int | None) -> Share | Exception:
+    """``member``'s share, planned in a drafting thread whose draft-model steps meet the others'."""
+    try:
+        with batching(meeting):
+            return _share(member, chunk)
+    finally:
+        meeting.leave()
+
+
 class Scheduler:
     """The passes of one pair (``ModelPair.scheduler``); see the module docstring."""
 
-    def __init__(self, lock: threading.RLock, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, lock: threading.RLock, prefill_chunk: int = PREFILL_CHUNK, batch_drafts: bool = True):
         self.lock = lock  # the pair's: held for each pass, and by callers joining or leaving
         self.prefill_chunk = prefill_chunk
+        # members draft in threads of their own, a draft model's steps shared (``packed.Rendezvous``);
+        # False where drafters share one draft state (``ModelPair.draft_cache`` static or compiled)
+        self.batch_drafts = batch_drafts
+        self._drafting: ThreadPoolExecutor | None = None  # those threads, made on first use
         self.running: list[Member] = []
         self.stats = SchedulerStats()
         self._turns = threading.Condition()  # guards _callers and _thread; wakes the pass loop
@@ -175,11 +197,11 @@ class Scheduler:
     def _pass(self, members: list[Member]) -> None:
         chunk = self.prefill_chunk if len(members) > 1 else None
         shares = []
-        for m in members:
-            try:
-                shares.append((m, m.share(chunk)))
-            except Exception as exc:  # that call's own failure: the others run
-                self._fail(m, exc)
+        for m, share in zip(members, self._shares(members, chunk)):
+            if isinstance(share, BaseException):  # that call's own failure: the others run
+                self._fail(m, share)
+            else:
+                shares.append((m, share))
         fed = [(m, s) for m, s in shares if s.feed is not None]
         outs = self._forward(fed) if fed else {}
         if fed:
@@ -201,6 +223,21 @@ class Scheduler:
                 continue
             if left:
                 self.remove(m)
+
+    def _shares(self, members: list[Member], chunk: int | None) -> list:
+        """Each member's share of the pass (or the exception its drafting raised)."""
+        if len(members) == 1 or not self.batch_drafts:
+            return [_share(m, chunk) for m in members]
+        if self._drafting is None:
+            self._drafting = ThreadPoolExecutor(DRAFTING_THREADS, thread_name_prefix="agentspec-draft")
+        shares: list = []
+        for wave in range(0, len(members), DRAFTING_THREADS):  # every thread of a wave runs at once
+            group = members[wave : wave + DRAFTING_THREADS]
+            meeting = Rendezvous(len(group))
+            shares += [
+                f.result() for f in [self._drafting.submit(_drafted, meeting, m, chunk) for m in group]
+            ]
+        return shares
 
     def _fail(self, member: Member, exc: BaseException) -> None:
         self.remove(member)

@@ -254,3 +254,28 @@ def test_a_long_prompt_joins_in_chunks_beside_decoding_calls(bpair, cases, monke
         assert_same(bpair.target, prompt, r.token_ids, w)
     # no pass fed more than a chunk of each prompt (plus a pending token) beside the others' rows
     assert max(rows for _, rows in s.recent) <= 3 * (8 + 1)
+
+
+def test_a_draft_model_takes_one_step_per_draft_position_for_all_calls(bpair, cases):
+    """Four calls drafting with the draft model: its steps are packed (one forward for all four per
+    draft position), so it runs far fewer forwards than the same calls one after another."""
+    chosen = cases[:4]
+    forwards: list[bool] = []  # per draft forward: packed (several calls' rows) or not
+    hook = bpair.draft.register_forward_hook(
+        lambda _m, _a, kwargs, _o: forwards.append("agentspec_pack" in kwargs), with_kwargs=True
+    )
+    try:
+        alone = [agentspec.generate(bpair, p, "model", False, max_new_tokens=N_NEW) for p, _ in chosen]
+        n_alone = len(forwards)
+        forwards.clear()
+        together = start_together(
+            bpair,
+            [
+                lambda p=p: agentspec.generate(bpair, p, "model", False, max_new_tokens=N_NEW)
+                for p, _ in chosen
+            ],
+        )
+    finally:
+        hook.remove()
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert sum(forwards) > 0 and len(forwards) < n_alone / 2, (len(forwards), sum(forwards), n_alone)
