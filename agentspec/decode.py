@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import operator
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -654,8 +655,8 @@ class _Member:
     """One call as a member of its pair's scheduler (``agentspec.scheduler.Member``): its state, and
     the Steps on their way from the scheduler's thread to the caller's (``steps``)."""
 
-    def __init__(self, pair: ModelPair, call: _Call):
-        self.pair, self.call = pair, call
+    def __init__(self, pair: ModelPair, call: _Call, cancelled: threading.Event | None):
+        self.pair, self.call, self.cancelled = pair, call, cancelled
         self.target = call.target
         self.free_memory = call.free_memory
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # Steps, then a last Step or an error
@@ -664,7 +665,9 @@ class _Member:
         self.closed = False  # the caller left: it takes no further pass
 
     def ready(self) -> bool:
-        return not self.closed and self.delivered - self.taken < LOOKAHEAD
+        if self.closed or (self.cancelled is not None and self.cancelled.is_set()):
+            return False  # no pass after a cancel: the caller ends the call at its next Step
+        return self.delivered - self.taken < LOOKAHEAD
 
     def share(self, chunk: int | None) -> _Pass:
         return (_chunk(self.call, chunk) if chunk is not None else None) or _plan(self.call)
@@ -710,6 +713,8 @@ def stream(
     prefix_cache: Any = True,
     grammar: Grammar | Constraint | None = None,
     namespace: str | None = None,
+    *,
+    cancelled: threading.Event | None = None,
     **options: Any,
 ) -> Iterator[Step]:
     """Yield Steps as tokens are verified. Options are GenerationConfig fields (or ``config=``).
@@ -734,6 +739,9 @@ def stream(
     prompts never speed up another's calls, and a drafter's failures other than out of memory rest it
     in that namespace only (None: the default, shared by every call that names none). Outputs are
     the same either way.
+
+    ``cancelled``: once set, the call takes no further pass (a consumer that left); its caller ends
+    it by closing the generator at its next Step.
     """
     config = _config(options)
     d = resolve_drafter(pair, drafter, config.speculative, namespace)
@@ -754,7 +762,7 @@ def stream(
         free = cache.clear if cache is not None else None
         call = _begin(pair, ids, config, d, target, grammar, free, deadline)
         call.stats.draft_cooldown = resting
-        member = _Member(pair, call)
+        member = _Member(pair, call, cancelled)
         scheduler.add(member)
     ended = False  # finished, or closed by the caller: not failed
     try:
@@ -924,7 +932,12 @@ def run(
     prefix_cache: Any = True,
     grammar: Grammar | Constraint | None = None,
     namespace: str | None = None,
+    *,
+    cancelled: threading.Event | None = None,
     **options: Any,
 ) -> Run:
     """``stream``'s call as a ``Run``: its Steps, then (closed) its ``CallRecord``."""
-    return Run(pair, stream(pair, prompt_ids, drafter, prefix_cache, grammar, namespace, **options))
+    steps = stream(
+        pair, prompt_ids, drafter, prefix_cache, grammar, namespace, cancelled=cancelled, **options
+    )
+    return Run(pair, steps)

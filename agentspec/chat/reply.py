@@ -63,9 +63,9 @@ def reply_deltas(request: PreparedRequest, steps: Iterable[Step]) -> Iterator[De
 class ChatRun:
     """One prepared call decoded: iterate for its ``Delta``s, then ``close`` for its ``CallRecord``.
 
-    Close it in the thread that iterated it (the pair's lock is that thread's), whether the reply
-    finished, the caller left early or an error was raised: closing releases the lock, saves the
-    verified part to the prefix cache and makes the record.
+    Close it in the thread that iterated it, whether the reply finished, the caller left early or an
+    error was raised: closing takes the call out of the pair's scheduler, saves the verified part to
+    the prefix cache and makes the record.
     """
 
     def __init__(self, call: ChatCall, steps: Run, cancelled: threading.Event | None = None):
@@ -96,7 +96,16 @@ def run(
     ``agentspec.stream`` takes them, in ``namespace`` (the tenant's cache and drafting memory);
     ``cancelled``, once set, ends the deltas after the pass in progress (a consumer that left)."""
     ids = call.request.prompt.ids
-    steps = run_steps(call.pair, ids, drafter, prefix_cache, call.grammar, namespace, config=call.config)
+    steps = run_steps(
+        call.pair,
+        ids,
+        drafter,
+        prefix_cache,
+        call.grammar,
+        namespace,
+        cancelled=cancelled,
+        config=call.config,
+    )
     return ChatRun(call, steps, cancelled)
 
 
