@@ -78,7 +78,8 @@ class Server:
         self.engine = engine
         self.keys = {key_id(k): k for k in api_keys if k}
         self.admission = Admission(max_num_seqs, len(self.keys))
-        self.metrics = ServerMetrics(engine.model, engine.pair.tenants)
+        pair = engine.pair
+        self.metrics = ServerMetrics(engine.model, pair.tenants, pair.scheduler.stats)
         # a thread for every admitted request: none waits for a thread, only for its turn to join
         self.executor = ThreadPoolExecutor(self.admission.limit, thread_name_prefix="agentspec-decode")
         self.jobs: set[Job] = set()

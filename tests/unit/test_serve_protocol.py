@@ -19,9 +19,11 @@ from agentspec.chat import prepare, reply_deltas
 from agentspec.cli import api_keys
 from agentspec.decode import Step
 from agentspec.models import ensure_default_model
+from agentspec.scheduler import SchedulerStats
 from agentspec.serve import create_app
 from agentspec.serve import protocol as P
 from agentspec.serve.app import Server, key_id, namespace
+from agentspec.serve.metrics import ServerMetrics
 from agentspec.serve.worker import Admission, Engine, Verdict, generation_config
 from agentspec.stats import DecodeStats
 from agentspec.telemetry import Telemetry
@@ -281,6 +283,24 @@ def test_metrics_show_the_size_of_what_the_pair_keeps_per_namespace(tiny_smol):
     assert _gauge(text, "agentspec_tenant_store_namespaces") == len(held)
     assert _gauge(text, "agentspec_tenant_store_bytes") == tenants.bytes > 0
     assert _gauge(text, "agentspec_tenant_store_budget_bytes") == tenants.max_bytes
+
+
+def test_metrics_read_the_pairs_scheduler_under_vllms_names(tiny_smol):
+    stats = SchedulerStats(running=3, waiting=2, passes=4, rows=40, members=10)
+    metrics = ServerMetrics("tiny-smol", tiny_smol.tenants, stats)
+    text = metrics.exposition().decode()
+    # vLLM's names and types for the load a router reads; agentspec's own counters of passes
+    for name, kind, value in [
+        ("vllm:num_requests_running", "gauge", 3),
+        ("vllm:num_requests_waiting", "gauge", 2),
+        ("agentspec_scheduler_passes_total", "counter", 4),
+        ("agentspec_scheduler_pass_rows_total", "counter", 40),
+        ("agentspec_scheduler_pass_sequences_total", "counter", 10),
+    ]:
+        assert f"# TYPE {name} {kind}" in text, name
+        assert _gauge(text, re.escape(name)) == value, name
+    stats.passes += 1  # read at each scrape, never copied
+    assert _gauge(metrics.exposition().decode(), "agentspec_scheduler_passes_total") == 5
 
 
 def test_the_core_imports_no_web_framework():
