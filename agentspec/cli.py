@@ -254,7 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from agentspec.serve import create_app
-        from agentspec.serve.app import DEFAULT_QUEUE_SIZE
+        from agentspec.serve.app import DEFAULT_MAX_NUM_SEQS
     except ImportError as exc:
         print(
             f"agentspec serve: {exc}; install the extra: pip install 'agentspec-decode[serve]'",
@@ -270,8 +270,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     draft = False if args.no_draft_model else args.draft_model
     pair = load_pair(args.model, draft, device=args.device, dtype=args.dtype)
     keys = api_keys(args.api_key, os.environ.get("AGENTSPEC_API_KEYS"))
-    queue_size = DEFAULT_QUEUE_SIZE if args.queue_size is None else args.queue_size
-    app = create_app(pair, api_keys=keys, queue_size=queue_size, drafter=args.drafter)
+    max_num_seqs = DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs
+    app = create_app(pair, api_keys=keys, max_num_seqs=max_num_seqs, drafter=args.drafter)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -297,9 +297,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="a key requests must bear (Authorization: Bearer); repeatable; also AGENTSPEC_API_KEYS=k1,k2",
     )
     s.add_argument(
-        "--queue-size",
+        "--max-num-seqs",
+        "--queue-size",  # its name before calls shared passes: the fleet's workers are started with it
+        dest="max_num_seqs",
         type=int,
-        help="requests that may wait behind the one decoding; more get 503 (default: agentspec.serve's, 8)",
+        help="sequences running at once (requests admitted, decoding together in the pair's passes); "
+        "more get 503, and with API keys a key past ceil(this / keys) of them gets 429 "
+        "(default: agentspec.serve's, 16)",
     )
     s.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     s.set_defaults(func=cmd_serve)

@@ -7,9 +7,13 @@ and ``GET /metrics`` (Prometheus). With API keys, every route but ``/health`` wa
 Tenants: each API key, and within it each request's ``cache_salt`` (vLLM's field), is a namespace
 of its own for the prefix cache and the drafting memory (``agentspec.stream``'s ``namespace``), so
 one tenant's prompts never speed up another's calls nor show through their timing. Requests without
-a key or a salt share the default namespace, as in-process calls do. The queue in front of the pair
-is shared: one request decodes at a time, ``queue_size`` more wait, and a request past those gets
-503 with ``Retry-After``.
+a key or a salt share the default namespace, as in-process calls do.
+
+Admission counts sequences: every admitted request decodes at once, its call a sequence sharing the
+pair's passes with the others (``agentspec.scheduler``). ``max_num_seqs`` (vLLM's name) bounds them,
+and a request past it gets 503 with ``Retry-After``. With API keys, one key holds at most its share
+of those slots, ceil(max_num_seqs / number of keys) (``worker.Admission``): a request past its key's
+share gets 429 with ``Retry-After``, while the other keys' requests are admitted.
 
 Tracing: the W3C ``traceparent`` (and ``tracestate``) of a request is the parent of the call's span
 (``agentspec.telemetry``), so the span joins the caller's trace. Usage is counted on this side, in
@@ -17,8 +21,8 @@ the span's metrics and in ``/metrics``; a client must not count the same tokens 
 
 Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request
 that cannot be served as sent (FastAPI's 422 included: OpenAI clients expect 400), 401, 404 for
-another model's name, 503 for a full queue, 500 for a failure while decoding (inside a stream: an
-error event, its status line being already sent).
+another model's name, 429 for a key over its share, 503 for a full server, 500 for a failure while
+decoding (inside a stream: an error event, its status line being already sent).
 """
 
 from __future__ import annotations
@@ -45,14 +49,15 @@ from agentspec.decode import CallRecord
 from agentspec.models import ModelPair
 from agentspec.serve import protocol as P
 from agentspec.serve.metrics import CONTENT_TYPE, ServerMetrics
-from agentspec.serve.worker import Admission, Engine, Job
+from agentspec.serve.worker import Admission, Engine, Job, Verdict
 from agentspec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_QUEUE_SIZE = 8  # requests that may wait for the pair behind the one decoding
+# sequences running on the pair at once: room for the issue's 16 concurrent agent sessions
+DEFAULT_MAX_NUM_SEQS = 16
 SESSION_HEADER = "x-session-id"  # the caller's conversation id, as routers read it for session affinity
-RETRY_AFTER_S = 1  # a full queue's hint: a request decodes in seconds here
+RETRY_AFTER_S = 1  # a full server's (or a key's full share's) hint: a request decodes in seconds here
 
 
 def key_id(key: str) -> str:
@@ -67,14 +72,15 @@ def namespace(tenant: str | None, salt: str | None) -> str | None:
 
 
 class Server:
-    """One app's state: the engine, the keys, the bound on requests, the executor, the metrics."""
+    """One app's state: the engine, the keys, the bound on sequences, the executor, the metrics."""
 
-    def __init__(self, engine: Engine, api_keys: Sequence[str], queue_size: int):
+    def __init__(self, engine: Engine, api_keys: Sequence[str], max_num_seqs: int):
         self.engine = engine
         self.keys = {key_id(k): k for k in api_keys if k}
-        self.admission = Admission(queue_size)
-        self.metrics = ServerMetrics(engine.model, engine.pair.tenants)
-        # a thread for every admitted request: none waits for a thread, only for the pair's lock
+        self.admission = Admission(max_num_seqs, len(self.keys))
+        pair = engine.pair
+        self.metrics = ServerMetrics(engine.model, pair.tenants, pair.scheduler.stats)
+        # a thread for every admitted request: none waits for a thread, only for its turn to join
         self.executor = ThreadPoolExecutor(self.admission.limit, thread_name_prefix="agentspec-decode")
         self.jobs: set[Job] = set()
         self.started = int(time.time())
@@ -96,7 +102,7 @@ class Server:
         )
 
     def admit(self, body: P.ChatCompletionRequest, request: Request, tenant: str | None) -> Job:
-        """The request's job, started on a worker thread; 400/404/503 when it cannot be."""
+        """The request's job, started on a worker thread; 400/404/429/503 when it cannot be."""
         bad = body.unsupported()
         if bad is not None:
             raise P.APIError(400, f"{bad} is not supported by this server", param=bad, code="unsupported")
@@ -104,14 +110,7 @@ class Server:
             raise P.APIError(
                 404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
             )
-        if not self.admission.enter():
-            raise P.APIError(
-                503,
-                f"the server's queue is full ({self.admission.limit} requests admitted); retry later",
-                type="server_error",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
+        self._enter(tenant)
         self.metrics.admitted()
         loop = asyncio.get_running_loop()
         job = Job(
@@ -123,13 +122,36 @@ class Server:
             conversation_id=request.headers.get(SESSION_HEADER) or None,
         )
         self.jobs.add(job)
-        done = loop.run_in_executor(self.executor, job.run)
-        done.add_done_callback(lambda _: self._left(job))
+        job.start(self.executor).add_done_callback(lambda _: self._left(job, tenant))
         return job
 
-    def _left(self, job: Job) -> None:
+    def _enter(self, tenant: str | None) -> None:
+        """Count the request in ``admission``; 503 when the server is full, 429 when its key is over
+        its share (both with ``Retry-After``: a slot frees when a request finishes)."""
+        verdict = self.admission.enter(tenant)
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if verdict is Verdict.FULL:
+            raise P.APIError(
+                503,
+                f"the server is full ({self.admission.limit} requests decoding); retry later",
+                type="server_error",
+                code="queue_full",
+                headers=retry,
+            )
+        if verdict is Verdict.OVER_SHARE:  # OpenAI's type and code for a rate limit
+            share = self.admission.share
+            raise P.APIError(
+                429,
+                f"this API key has {share} requests decoding, its share of the server's "
+                f"{self.admission.limit}; retry when one of them finishes",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers=retry,
+            )
+
+    def _left(self, job: Job, tenant: str | None) -> None:
         self.jobs.discard(job)
-        self.admission.leave()
+        self.admission.leave(tenant)
         self.metrics.left(job.closed_early)
 
     def finished(self, reply: Reply, last: Delta, record: CallRecord, started: float) -> dict[str, Any]:
@@ -324,7 +346,7 @@ def create_app(
     pair: ModelPair,
     *,
     api_keys: Sequence[str] = (),
-    queue_size: int = DEFAULT_QUEUE_SIZE,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     drafter: Any = "auto",
     model_name: str | None = None,
     tracer_provider: Any = None,
@@ -332,13 +354,15 @@ def create_app(
 ) -> FastAPI:
     """An OpenAI-compatible app over ``pair`` (see the module doc).
 
-    ``api_keys``: the keys a request may bear (none: no key is asked for); ``queue_size``: requests
-    that may wait behind the one decoding; ``drafter``: ``agentspec.stream``'s, as ``ChatSpecDecode``
-    takes it; ``model_name``: the name requests give and responses carry (default: the pair's);
-    ``tracer_provider`` / ``meter_provider``: where calls are recorded (None: the global ones).
+    ``api_keys``: the keys a request may bear (none: no key is asked for), each holding at most
+    ceil(max_num_seqs / len(api_keys)) requests at once; ``max_num_seqs``: the requests admitted at
+    once, each a sequence running in the pair's passes (vLLM's option of that name); ``drafter``:
+    ``agentspec.stream``'s, as ``ChatSpecDecode`` takes it; ``model_name``: the name requests give
+    and responses carry (default: the pair's); ``tracer_provider`` / ``meter_provider``: where
+    calls are recorded (None: the global ones).
     """
     engine = Engine(pair, model_name or pair.name, drafter, Telemetry(tracer_provider, meter_provider))
-    server = Server(engine, api_keys, queue_size)
+    server = Server(engine, api_keys, max_num_seqs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

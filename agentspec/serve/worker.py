@@ -1,16 +1,17 @@
-"""One request's decode on a worker thread of its own, handed to the event loop through a queue.
+"""One request's call on a worker thread of its own, its deltas handed to the event loop through a queue.
 
-``agentspec.stream`` holds the pair's lock from its first step until it is closed, and the lock must
-be released by the thread that took it; so a request's whole decode (prepare, stream, close) runs in
-one worker thread (``Job.run``), as ``ChatSpecDecode._astream`` arranges for LangChain, and its
+Every admitted request decodes at once: its call is a sequence in the pair's scheduler
+(``agentspec.scheduler``), whose thread runs one target forward per pass over the new rows of every
+running call. The request's own worker thread (``Job.run``) prepares it, joins the scheduler
+(restoring the prefix cache under the pair's lock), blocks on the queue its Steps arrive on, and
+leaves (saving the verified state), as ``ChatSpecDecode._astream`` arranges for LangChain; its
 deltas reach the event loop through an ``asyncio.Queue`` (``loop.call_soon_threadsafe``). The
-server's executor has a thread for every request ``Admission`` lets in, so an admitted request
-never waits for a thread, only for the pair's lock: the queue in front of one pair is that lock's,
-shared by every tenant by design.
+server's executor has a thread for every request ``Admission`` lets in, so an admitted request never
+waits for a thread, only for the lock between passes to join.
 
-A consumer that goes away (the client disconnected) sets ``Job.cancelled``: the worker stops after
-the pass in progress and closes the stream in its own thread, which releases the lock and saves the
-verified part to the prefix cache, as for any closed stream.
+A consumer that goes away (the client disconnected) sets ``Job.cancelled``: the call leaves after
+the pass in progress and closes its stream in its own thread, which saves the verified part to the
+prefix cache, as for any closed stream.
 
 Events a job puts on its queue, in order: ("ready", None) once the request is prepared (or
 ("error", exc) instead), then ("delta", Delta) for each delta but the last, then ("finish",
@@ -21,8 +22,10 @@ after a cancelled decode, or ("error", exc).
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +98,12 @@ class Job:
     record: CallRecord | None = None  # the call's record, once its decode is closed
     conversation_id: str | None = None  # the caller's session (its X-Session-ID header), on the span
     response_id: str = field(default_factory=new_response_id)  # the response's id, on the span too
+    ended: asyncio.Future | None = None  # done when ``run`` has returned (``start``)
+
+    def start(self, executor: Executor) -> asyncio.Future:
+        """Run the request on a thread of ``executor``; the future is ``ended``."""
+        self.ended = self.loop.run_in_executor(executor, self.run)
+        return self.ended
 
     def run(self) -> None:
         """The whole request, in the calling (worker) thread; every outcome ends up on the queue."""
@@ -110,7 +119,7 @@ class Job:
 
     def _decode(self, call: ChatCall) -> None:
         engine = self.engine
-        if self.cancelled.is_set():  # gone before its turn (once in the lock's queue, the first pass runs)
+        if self.cancelled.is_set():  # gone before it joined (once joined, it leaves after a pass)
             self.closed_early = True
             self._put("closed", None)
             return
@@ -138,7 +147,7 @@ class Job:
             trace.fail(exc)
             raise
         finally:
-            self.record = record = deltas.close()  # in this thread: releases the lock, saves the cache
+            self.record = record = deltas.close()  # in this thread: leaves the scheduler, saves the cache
             trace.end(record)
         if last is None:  # cancelled
             self.closed_early = True
@@ -148,10 +157,15 @@ class Job:
 
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
         """The job's events as the loop receives them, up to "finish" (none after a cancelled decode
-        closed); leaving early cancels the decode."""
+        closed); leaving early cancels the decode. The last one comes once ``run`` has returned: the
+        request's admission slot, freed when it does, is free before its client has the reply (a
+        key at its share may send its next request at once)."""
+        assert self.ended is not None, "the job was not started"
         try:
             while True:
                 kind, value = await self.queue.get()
+                if kind in ("finish", "closed", "error"):  # the last: run has only to return
+                    await asyncio.wait({self.ended})  # (not cancelled with the consumer: it counts)
                 if kind == "error":
                     raise value
                 if kind == "closed":
@@ -163,23 +177,51 @@ class Job:
             self.cancelled.set()
 
 
+class Verdict(enum.Enum):
+    """What ``Admission.enter`` says of a request."""
+
+    ADMITTED = "admitted"
+    FULL = "full"  # the server holds ``limit`` requests: 503
+    OVER_SHARE = "over_share"  # the request's key holds its share: 429, while other keys are served
+
+
 class Admission:
-    """The bound on requests in the server: one decoding and ``queue_size`` waiting for the pair.
+    """The bound on requests in the server, counted in sequences: every admitted request decodes at
+    once, a sequence in the pair's passes (``agentspec.scheduler``), so ``limit`` bounds the
+    sequences running (and joining or leaving) on the pair.
+
+    With ``keys`` API keys, a key holds at most ``share`` = ceil(limit / keys) of the slots (at
+    least 1), computed rather than an option: a lone key (or a server without keys) may use every
+    slot; with more keys one key leaves at least ``limit - share`` slots to the others; and the
+    shares together cover the limit (a floor would leave the remainder idle while every key is at
+    its share).
 
     Used from the event loop only (a job leaves in its future's done callback, which runs there).
     """
 
-    def __init__(self, queue_size: int):
-        if queue_size < 0:
-            raise ValueError(f"queue_size must be >= 0, got {queue_size}")
-        self.limit = queue_size + 1
+    def __init__(self, limit: int, keys: int = 0):
+        if limit < 1:
+            raise ValueError(f"the limit on running sequences must be >= 1, got {limit}")
+        self.limit = limit
+        self.share = max(1, -(-limit // max(keys, 1)))  # ceil(limit / keys)
         self.active = 0
+        self.held: dict[str | None, int] = {}  # requests admitted, by tenant (None: no key)
 
-    def enter(self) -> bool:
+    def enter(self, tenant: str | None) -> Verdict:
+        """Admit a request of ``tenant`` (its key's id; None without keys), or say why not. A full
+        server is checked first: with one key or none the share is the whole limit, and a full
+        server is the answer."""
+        held = self.held.get(tenant, 0)
         if self.active >= self.limit:
-            return False
+            return Verdict.FULL
+        if held >= self.share:
+            return Verdict.OVER_SHARE
         self.active += 1
-        return True
+        self.held[tenant] = held + 1
+        return Verdict.ADMITTED
 
-    def leave(self) -> None:
+    def leave(self, tenant: str | None) -> None:
         self.active -= 1
+        self.held[tenant] -= 1
+        if not self.held[tenant]:
+            del self.held[tenant]  # a key with nothing in flight keeps no entry

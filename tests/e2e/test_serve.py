@@ -1,7 +1,7 @@
 """``agentspec serve`` on the embedded SmolLM2, driven by the ``openai`` client over 127.0.0.1.
 
-One server process for the module (``agentspec serve`` on a free port, one torch thread, a queue of
-one, two API keys), started before the tests and always stopped after them; the in-process
+One server process for the module (``agentspec serve`` on a free port, one torch thread, two
+sequences at once, two API keys), started before the tests and always stopped after them; the in-process
 ``ChatSpecDecode`` on the same thread count is the reference its greedy replies must equal. The
 trace test runs the app in this process (``create_app`` and FastAPI's TestClient) to read its spans
 from an in-memory exporter. The server's failures (a decode that fails, a whole reply's client that
@@ -45,7 +45,7 @@ SQUARE = convert_to_openai_tool(square)
 def server(tmp_path_factory):
     """The base URL of a running ``agentspec serve`` (stopped, and killed if need be, afterwards)."""
     port = free_port()
-    command = agentspec_serve_command(port, "--threads", "1", "--queue-size", "1", "--api-key", KEYS[0])
+    command = agentspec_serve_command(port, "--threads", "1", "--max-num-seqs", "2", "--api-key", KEYS[0])
     command += ["--log-level", "warning"]
     # the server runs the agentspec these tests import (a checkout's, not an installed copy's)
     env = checkout_env({"AGENTSPEC_API_KEYS": KEYS[1]})
@@ -273,8 +273,10 @@ def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
 
 
 def test_full_queue_then_a_disconnect_frees_the_pair(server):
-    """Queue size 1: a long stream decodes, a second request waits, a third gets 503; the stream's
-    client goes away mid-reply, and the waiting request and a later one are answered."""
+    """Two sequences at once, two keys (a share of ceil(2 / 2) = 1 each): a long stream decodes, a
+    second request (the other key's) joins it, a third gets 503 (a full server is checked before a
+    key's share); the stream's client goes away mid-reply, and the second request and a later one
+    are answered."""
     salt, closed = _salt(), _metric(server, "agentspec_requests_closed_early_total")
     story = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
     long_stream = _chat(server, story, max_tokens=400, stream=True, extra_body={"cache_salt": salt})
@@ -283,7 +285,9 @@ def test_full_queue_then_a_disconnect_frees_the_pair(server):
 
     waiting: dict = {}
     behind = threading.Thread(
-        target=lambda: waiting.update(reply=_chat(server, [{"role": "user", "content": "Hi"}], max_tokens=3))
+        target=lambda: waiting.update(
+            reply=_chat(server, [{"role": "user", "content": "Hi"}], key=KEYS[1], max_tokens=3)
+        )
     )
     behind.start()
     try:
@@ -298,7 +302,7 @@ def test_full_queue_then_a_disconnect_frees_the_pair(server):
         long_stream.close()  # the client goes away mid-reply
     finally:
         behind.join(timeout=CALL_TIMEOUT_S)
-    assert not behind.is_alive(), "the waiting request never got the pair"
+    assert not behind.is_alive(), "the second request was never answered"
     assert waiting["reply"].usage.completion_tokens == 3
     _wait_for(lambda: _in_flight(server) == 0, "the closed stream's decode to end", timeout_s=30)
     # it stopped where its client left, long before its 400 tokens

@@ -19,10 +19,12 @@ from agentspec.chat import prepare, reply_deltas
 from agentspec.cli import api_keys
 from agentspec.decode import Step
 from agentspec.models import ensure_default_model
+from agentspec.scheduler import SchedulerStats
 from agentspec.serve import create_app
 from agentspec.serve import protocol as P
 from agentspec.serve.app import Server, key_id, namespace
-from agentspec.serve.worker import Admission, Engine, generation_config
+from agentspec.serve.metrics import ServerMetrics
+from agentspec.serve.worker import Admission, Engine, Verdict, generation_config
 from agentspec.stats import DecodeStats
 from agentspec.telemetry import Telemetry
 
@@ -158,13 +160,27 @@ def test_namespaces_keep_keys_and_salts_apart():
     assert "secret" not in key_id("secret")
 
 
-def test_admission_bounds_requests():
-    a = Admission(queue_size=1)
-    assert a.enter() and a.enter() and not a.enter()  # one decoding, one waiting
-    a.leave()
-    assert a.enter()
+def test_admission_counts_sequences_with_a_share_per_key():
+    ok, full, over = Verdict.ADMITTED, Verdict.FULL, Verdict.OVER_SHARE
+    alone = Admission(2)  # no keys: every slot for anyone
+    assert [alone.enter(None) for _ in range(3)] == [ok, ok, full]
+    alone.leave(None)
+    assert alone.enter(None) is ok
+
+    keyed = Admission(5, keys=2)
+    assert keyed.share == 3  # ceil(5 / 2)
+    assert [keyed.enter("a") for _ in range(4)] == [ok, ok, ok, over]
+    assert [keyed.enter("b") for _ in range(3)] == [ok, ok, full]  # the other key, up to the limit
+    keyed.leave("a")
+    assert keyed.enter("a") is ok and keyed.enter("b") is full  # a freed slot, taken back by "a"
+    for tenant in ("a", "a", "a", "b", "b"):
+        keyed.leave(tenant)
+    assert keyed.active == 0 and keyed.held == {}  # a key with nothing in flight keeps no entry
+
+    assert Admission(4, keys=1).share == 4  # a lone key may use every slot
+    assert Admission(2, keys=3).share == 1  # more keys than slots: one each, first come
     with pytest.raises(ValueError):
-        Admission(-1)
+        Admission(0)
 
 
 def test_api_keys_from_options_and_environment():
@@ -173,7 +189,7 @@ def test_api_keys_from_options_and_environment():
 
 
 def test_bearer_keys(pair):
-    server = Server(Engine(pair, "tiny", "auto", Telemetry()), ["k1", "k2"], queue_size=0)
+    server = Server(Engine(pair, "tiny", "auto", Telemetry()), ["k1", "k2"], max_num_seqs=1)
     try:
         assert server.tenant("Bearer k2") == key_id("k2")
         assert server.tenant("bearer k1") == key_id("k1")
@@ -181,7 +197,7 @@ def test_bearer_keys(pair):
             with pytest.raises(P.APIError) as err:
                 server.tenant(header)
             assert err.value.status == 401 and err.value.code == "invalid_api_key"
-        open_server = Server(Engine(pair, "tiny", "auto", Telemetry()), [], queue_size=0)
+        open_server = Server(Engine(pair, "tiny", "auto", Telemetry()), [], max_num_seqs=1)
         assert open_server.tenant(None) is None
         open_server.close()
     finally:
@@ -269,6 +285,24 @@ def test_metrics_show_the_size_of_what_the_pair_keeps_per_namespace(tiny_smol):
     assert _gauge(text, "agentspec_tenant_store_budget_bytes") == tenants.max_bytes
 
 
+def test_metrics_read_the_pairs_scheduler_under_vllms_names(tiny_smol):
+    stats = SchedulerStats(running=3, waiting=2, passes=4, rows=40, members=10)
+    metrics = ServerMetrics("tiny-smol", tiny_smol.tenants, stats)
+    text = metrics.exposition().decode()
+    # vLLM's names and types for the load a router reads; agentspec's own counters of passes
+    for name, kind, value in [
+        ("vllm:num_requests_running", "gauge", 3),
+        ("vllm:num_requests_waiting", "gauge", 2),
+        ("agentspec_scheduler_passes_total", "counter", 4),
+        ("agentspec_scheduler_pass_rows_total", "counter", 40),
+        ("agentspec_scheduler_pass_sequences_total", "counter", 10),
+    ]:
+        assert f"# TYPE {name} {kind}" in text, name
+        assert _gauge(text, re.escape(name)) == value, name
+    stats.passes += 1  # read at each scrape, never copied
+    assert _gauge(metrics.exposition().decode(), "agentspec_scheduler_passes_total") == 5
+
+
 def test_the_core_imports_no_web_framework():
     code = (
         "import sys, agentspec, agentspec.chat, agentspec.cli;"
@@ -286,7 +320,15 @@ def test_serve_verb_options(capsys):
         main(["serve", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--host", "--port", "--api-key", "--queue-size", "--threads", "--model", "--draft-model"):
+    for option in (
+        "--host",
+        "--port",
+        "--api-key",
+        "--max-num-seqs",
+        "--threads",
+        "--model",
+        "--draft-model",
+    ):
         assert option in text, option
 
 
