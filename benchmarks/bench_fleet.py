@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -98,35 +98,35 @@ class System:
         return placed
 
 
-def vllm_command(port: int, speculative: bool) -> list[str] | str:
+def vllm_command(port: int, speculative: bool, dtype: str = "float32") -> list[str] | str:
     """The vLLM worker's command, or why there is none here."""
     try:
         from agentspec.fleet.vllm import vllm_worker_command
     except ImportError as exc:
         return f"agentspec.fleet.vllm is missing ({exc})"
-    command = vllm_worker_command(port, speculative=speculative)
+    command = vllm_worker_command(port, speculative=speculative, dtype=dtype)
     if shutil.which(command[0]) is None:
         return f"{command[0]} is missing: make vllm creates .venv-vllm"
     return command
 
 
 @contextlib.contextmanager
-def running(name: str, log_dir: Path) -> Iterator[System | str]:
-    """System ``name`` started (stopped after the block), or a string saying why it cannot run."""
+def running(name: str, log_dir: Path, dtype: str = "float32") -> Iterator[System | str]:
+    """System ``name`` started (stopped after the block), or a string saying why it cannot run;
+    every engine in it computes in ``dtype``."""
+    options = ["--log-level", "warning", "--dtype", dtype]
     if name == "single":
-        worker = agentspec_worker(
-            cpu_shares(1)[0], options=["--log-level", "warning"], log=log_dir / "single.log"
-        )
+        worker = agentspec_worker(cpu_shares(1)[0], options=options, log=log_dir / "single.log")
         with worker:
             yield System(name, worker.url, [worker.url])
     elif name in ("fleet_hash", "fleet_rr"):
         policy = "consistent_hash" if name == "fleet_hash" else "round_robin"
-        opts = {"threads_per_worker": 1, "worker_options": ["--log-level", "warning"]}
+        opts = {"threads_per_worker": 1, "worker_options": options}
         with Fleet(2, policy=policy, log_dir=log_dir / name, **opts) as fleet:
             yield System(name, fleet.url, fleet.workers, fleet)
     else:
         port = free_port()
-        command = vllm_command(port, speculative=name == "vllm_spec")
+        command = vllm_command(port, speculative=name == "vllm_spec", dtype=dtype)
         if isinstance(command, str):
             yield command
             return
@@ -134,9 +134,9 @@ def running(name: str, log_dir: Path) -> Iterator[System | str]:
             yield System(name, worker.url, [worker.url])
 
 
-def session_traces(k: int) -> list[tuple[str | None, Any]]:
-    """(tag, trace) of each of k sessions: a repeated trace's first user turn gets a tag."""
-    return [(None if i < len(TRACES) else f"session {i}", TRACES[i % len(TRACES)]) for i in range(k)]
+def session_traces(k: int, traces: Sequence[Any] = TRACES) -> list[tuple[str | None, Any]]:
+    """(tag, trace) of each of k sessions over ``traces``: a repeated trace's first user turn gets a tag."""
+    return [(None if i < len(traces) else f"session {i}", traces[i % len(traces)]) for i in range(k)]
 
 
 def tagged(messages: list[dict], tag: str | None) -> list[dict]:
@@ -174,12 +174,11 @@ def turn(
     }
 
 
-def replay(client, model: str, session: str, tag: str | None, trace, salt: str, n_new: int) -> dict[str, Any]:
+def replay(ask: Callable[[list[dict]], dict], session: str, tag: str | None, trace) -> dict[str, Any]:
+    """One session: ``trace``'s turns one after another, each history (OpenAI messages) answered by
+    ``ask``, which returns the turn's record (``turn``'s fields)."""
     start = time.perf_counter()
-    turns = [
-        turn(client, model, tagged(openai_messages(history), tag), session, salt, n_new)
-        for history, _ in calls(trace)
-    ]
+    turns = [ask(tagged(openai_messages(history), tag)) for history, _ in calls(trace)]
     return {
         "session": session,
         "trace": trace.name,
@@ -194,21 +193,23 @@ def p90(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]  # nearest rank
 
 
-def run_k(system: System, model: str, k: int, n_new: int) -> dict[str, Any]:
-    """k sessions at once through ``system``; their turns and the run's summary."""
-    client = openai.OpenAI(
-        base_url=f"{system.url}/v1", api_key="unused", max_retries=0, timeout=CALL_TIMEOUT_S
-    )
-    salt, ids = uuid.uuid4().hex, [f"{system.name}-k{k}-s{i}" for i in range(k)]
-    served = system.served()
+def at_once(
+    ids: list[str],
+    traces: list[tuple[str | None, Any]],
+    session: Callable[[str, str | None, Any], dict],
+    workers: int | None = None,
+) -> tuple[list[dict], float]:
+    """``session(id, tag, trace)`` for each id and (tag, trace), ``workers`` at a time (default: all
+    at once); the sessions' records, in order, and the wall time of them all."""
     start = time.perf_counter()
-    with ThreadPoolExecutor(k) as pool:
-        jobs = [
-            pool.submit(replay, client, model, sid, tag, trace, salt, n_new)
-            for sid, (tag, trace) in zip(ids, session_traces(k))
-        ]
+    with ThreadPoolExecutor(workers or len(ids)) as pool:
+        jobs = [pool.submit(session, sid, tag, trace) for sid, (tag, trace) in zip(ids, traces)]
         sessions = [job.result() for job in jobs]
-    wall = time.perf_counter() - start
+    return sessions, time.perf_counter() - start
+
+
+def summary(k: int, wall: float, sessions: list[dict]) -> dict[str, Any]:
+    """A run's figures: session latency (median, p90), generated tokens/s, share of prompt from cache."""
     turns = [t for s in sessions for t in s["turns"]]
     latencies = [s["seconds"] for s in sessions]
     return {
@@ -220,6 +221,23 @@ def run_k(system: System, model: str, k: int, n_new: int) -> dict[str, Any]:
         "cache_share": round(
             sum(t["cached_tokens"] for t in turns) / sum(t["prompt_tokens"] for t in turns), 4
         ),
+    }
+
+
+def run_k(system: System, model: str, k: int, n_new: int, traces: Sequence[Any] = TRACES) -> dict[str, Any]:
+    """k sessions at once through ``system``; their turns and the run's summary."""
+    client = openai.OpenAI(
+        base_url=f"{system.url}/v1", api_key="unused", max_retries=0, timeout=CALL_TIMEOUT_S
+    )
+    salt, ids = uuid.uuid4().hex, [f"{system.name}-k{k}-s{i}" for i in range(k)]
+
+    def session(sid: str, tag: str | None, trace: Any) -> dict[str, Any]:
+        return replay(lambda m: turn(client, model, m, sid, salt, n_new), sid, tag, trace)
+
+    served = system.served()
+    sessions, wall = at_once(ids, session_traces(k, traces), session)
+    return {
+        **summary(k, wall, sessions),
         "requests_per_worker": [b - a for a, b in zip(served, system.served())],
         "placement": system.placement(ids),
         "sessions": sessions,
@@ -274,7 +292,7 @@ def goals(runs: dict[str, list[dict]]) -> dict[str, Any]:
     return out
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: dict[str, Any], path: Path, title: str = "Agent sessions at once") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,7 +319,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("concurrent sessions K")
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
-    finish(fig, axes[0], path, ylabel=panels[0][1], title="Agent sessions at once (dotted: p90)", dpi=110)
+    finish(fig, axes[0], path, ylabel=panels[0][1], title=f"{title} (dotted: p90)", dpi=110)
 
 
 def measure(names: list[str], ks: list[int], n_new: int, log_dir: Path) -> tuple[dict, dict]:

@@ -55,6 +55,7 @@ def vllm_worker_command(
     threads: int | None = None,
     first_cpu: int = 0,
     model_dir: str | Path | None = None,
+    dtype: str = "float32",
 ) -> list[str]:
     """vLLM's OpenAI server on 127.0.0.1:``port`` over ``model_dir`` (default: the embedded model).
 
@@ -63,6 +64,7 @@ def vllm_worker_command(
     worker's threads, bound to ``threads`` allowed CPUs from the ``first_cpu``-th (workers side by side
     take shares apart); vLLM takes no flag for this, so the command sets its environment variable
     through ``env``. Without it vLLM binds to one NUMA node's cores less one, kept for its scheduler.
+    ``dtype``: the weights' and activations' type (vLLM's ``--dtype``), float32 as agentspec on a CPU.
     """
     model = Path(model_dir) if model_dir is not None else ensure_default_model()
     command = [
@@ -79,7 +81,7 @@ def vllm_worker_command(
         "--port",
         str(port),
         "--dtype",
-        "float32",
+        dtype,
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--gpu-memory-utilization",
