@@ -369,6 +369,16 @@ class PairCost:
             return latency.prefill_s(rows, cached)
         return latency.decode_s(cached) * self.verify.verify(rows)
 
+    def rows_within(self, factor: float, cached: int, most: int = 1024) -> int:
+        """The most rows (a power of two, up to ``most``) one pass after ``cached`` positions can feed
+        for at most ``factor`` times a one-row pass: where passes turn from reading the weights to
+        computing, the budget a scheduler spends on its calls' drafts (``agentspec.scheduler``)."""
+        limit = factor * self.pass_s(1, cached)
+        rows = 1
+        while rows < most and self.pass_s(2 * rows, cached) <= limit:
+            rows *= 2
+        return rows
+
 
 def cost_model(pair: CostOwner) -> CostModel:
     """The pair's latency CostModel for the current thread count: a lookup, never a model pass."""

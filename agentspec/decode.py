@@ -315,14 +315,14 @@ def _propose(call: _Call, seq: list[int], k: int) -> Draft:
         return Draft([])
 
 
-def _draft(call: _Call, forced: list[int], k: int, finished: bool):
+def _draft(call: _Call, forced: list[int], k: int, finished: bool, cap: int | None = None):
     """The pass's draft after ``forced``: the text the grammar forces, then the drafter's guess, fit
     to the grammar. Returns (tokens: host ids, or a [k] tensor still on the device; q [len(tokens),
     V] or None; jump-forward tokens leading; source)."""
     c = call.constraint
     tokens = c.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if call.jump else []
     n_jump = len(tokens)
-    k_draft = min(call.draft_cap, k - n_jump)
+    k_draft = min(call.draft_cap if cap is None else min(cap, call.draft_cap), k - n_jump)
     q, source = None, None
     if call.drafter is not None and k_draft > 0 and not finished:
         seq = call.seq + forced + tokens if forced or tokens else call.seq  # no copy per pass if none
@@ -411,8 +411,10 @@ def _chunk(call: _Call, size: int) -> _Pass | None:
     return _Pass(time.perf_counter(), at, [], [], [], 0, None, False, feed=feed, chunk=True)
 
 
-def _plan(call: _Call) -> _Pass:
-    """Draft, and what the target is to be fed: a call's share of its next pass."""
+def _plan(call: _Call, cap: int | None = None) -> _Pass:
+    """Draft (at most ``cap`` drafter tokens, None: the call's own cap), and what the target is to
+    be fed: a call's share of its next pass. ``cap`` binds greedy calls only: a sampled call's draws
+    depend on its draft lengths, and a seeded one draws the same whatever runs beside it."""
     t0 = time.perf_counter()
     seq, target, c = call.seq, call.target, call.constraint
     at = len(target.ids)
@@ -422,7 +424,8 @@ def _plan(call: _Call) -> _Pass:
     # read before any draft is pushed: a drafter may draft up to the grammar's stop token on the path
     finished = c is not None and c.terminated
     # never draft past the token budget or the context window
-    tokens, q, n_jump, source = _draft(call, forced, room - len(forced) - 1, finished)
+    cap = cap if call.config.greedy else None
+    tokens, q, n_jump, source = _draft(call, forced, room - len(forced) - 1, finished, cap)
     verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
     p = _Pass(t0, at, pending, forced, tokens, n_jump, source, verified)
     if verified:
@@ -669,8 +672,12 @@ class _Member:
             return False  # no pass after a cancel: the caller ends the call at its next Step
         return self.delivered - self.taken < LOOKAHEAD
 
-    def share(self, chunk: int | None) -> _Pass:
-        return (_chunk(self.call, chunk) if chunk is not None else None) or _plan(self.call)
+    def share(self, chunk: int | None, cap: int | None) -> _Pass:
+        return (_chunk(self.call, chunk) if chunk is not None else None) or _plan(self.call, cap)
+
+    @property
+    def cached(self) -> int:
+        return len(self.call.target.ids)
 
     def land(self, p: _Pass, out: Any, alone: bool) -> bool:
         if p.chunk:

@@ -205,6 +205,67 @@ def cache_segments(cache: Any, length: int) -> Segments:
     return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in cache.layers]
 
 
+class GrowingLayer(DynamicLayer):
+    """transformers' ``DynamicLayer`` with its keys and values in buffers it grows: a pass writes its
+    rows in place, where ``DynamicLayer.update`` copies the whole layer with ``torch.cat`` (15% of a
+    float32 one-row step after 400 tokens on a CPU, issue 28), and a roll-back moves the length.
+
+    ``keys``/``values`` stay views of the first ``length`` rows, so every reader of a
+    ``DynamicLayer`` (transformers, ``cache_segments``, the prefix cache, which copies what it saves)
+    reads them as before. Adopted tensors (``adopt``: a prefix-cache restore's, the tree's own) are
+    never written: the first update copies them into a buffer of the layer's own. Buffers grow by
+    half again what is needed, so a call's appends copy its cache a logarithmic number of times.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._k: torch.Tensor | None = None  # [B, H, capacity, D], the layer's own
+        self._v: torch.Tensor | None = None
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold ``keys``/``values`` (not copied; never written) as the cached positions."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self._k, self._v = keys, values, None, None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.get_seq_length()
+        need = held + key_states.shape[-2]
+        if self._k is None or need > self._k.shape[-2]:
+            self._grow(need, key_states, value_states)
+        self._k[:, :, held:need] = key_states
+        self._v[:, :, held:need] = value_states
+        self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
+        return self.keys, self.values
+
+    def _grow(self, need: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        capacity = max(GROW_MIN, need + need // 2)
+        held = self.get_seq_length()
+        new_k = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
+        new_v = v.new_empty(v.shape[0], v.shape[1], capacity, v.shape[3])
+        if held:
+            new_k[:, :, :held] = self.keys
+            new_v[:, :, :held] = self.values
+        self._k, self._v = new_k, new_v
+        self.keys, self.values = new_k[:, :, :held], new_v[:, :, :held]
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        super().reset()
+
+
+GROW_MIN = 64  # rows a layer's first buffer holds at least
+
+
+def growing_cache(config: Any) -> DynamicCache:
+    """transformers' ``DynamicCache`` for ``config``, its plain layers ``GrowingLayer``s (a sliding
+    window's or any other kind stay transformers' own)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 class KVState(Protocol):
     """A model's KV state as the prefix cache reads it (``ModelState``, ``static_kv.StaticState``)."""
 
@@ -231,7 +292,7 @@ class ModelState:
 
     def __init__(self, model, cache: DynamicCache | None = None, ids: list[int] | None = None):
         self.model = model
-        self.cache = cache if cache is not None else DynamicCache(config=model.config)
+        self.cache = cache if cache is not None else growing_cache(model.config)
         self.ids: list[int] = list(ids or [])
         self.unread = 0  # cached positions after ``ids`` whose ids are still on the device
         self.check()
@@ -313,9 +374,10 @@ class ModelState:
     @property
     def reusable(self) -> bool:
         # transformers declares no "keeps every position" capability: DynamicLayer itself is the
-        # layer that does; its subclasses keep a window, an indexer or a quantized form
+        # layer that does (and ours, growing in place); its other subclasses keep a window, an
+        # indexer or a quantized form
         layers = self.cache.layers
-        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+        return bool(layers) and all(type(layer) in (DynamicLayer, GrowingLayer) for layer in layers)
 
     def segments(self, length: int) -> Segments:
         return cache_segments(self.cache, length)
@@ -339,6 +401,6 @@ class ModelState:
             self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = growing_cache(self.model.config)
         self.ids = []
         self.unread = 0

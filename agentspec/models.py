@@ -246,7 +246,7 @@ class ModelPair:
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)
         # every call on the pair runs its passes here; drafters share a draft state unless dynamic
-        self.scheduler = Scheduler(self.lock, batch_drafts=self.draft_cache == "dynamic")
+        self.scheduler = Scheduler(self.lock, self.cost, batch_drafts=self.draft_cache == "dynamic")
         if self.draft_cache not in DRAFT_CACHES:
             raise ValueError(f"draft_cache: expected one of {DRAFT_CACHES}, got {self.draft_cache!r}")
 

@@ -30,6 +30,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from agentspec.cost import PairCost
 from agentspec.kv import ModelState, PassIds, batching
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
 from agentspec.packed import Rendezvous, forward_packed, packable
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 LOOKAHEAD = 4  # Steps a member may run ahead of its caller before it sits out passes
 DRAFTING_THREADS = 32  # members drafting at once (a wave); their draft-model steps are packed together
 PREFILL_CHUNK = 256  # prompt tokens a joining member feeds per pass while others decode
+LOAD_FACTOR = 2.0  # drafts fill a pass up to the rows that cost this many one-row passes
 
 
 class Share(Protocol):
@@ -64,8 +66,14 @@ class Member(Protocol):
         """It takes part in the next pass (its caller has kept up, and has not left)."""
         ...
 
-    def share(self, chunk: int | None) -> Share:
-        """Its share of the next pass; ``chunk``: the most uncached prompt tokens it may feed."""
+    @property
+    def cached(self) -> int:
+        """Positions the target's state holds for it (what its rows attend to)."""
+        ...
+
+    def share(self, chunk: int | None, cap: int | None) -> Share:
+        """Its share of the next pass; ``chunk``: the most uncached prompt tokens it may feed;
+        ``cap``: the most drafter tokens (None: its own cap)."""
         ...
 
     def land(self, share: Share, out: Any, alone: bool) -> bool:
@@ -90,18 +98,18 @@ class SchedulerStats:
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (members, rows) of recent passes
 
 
-def _share(member: Member, chunk: int | None) -> Share | Exception:
+def _share(member: Member, chunk: int | None, cap: int | None) -> Share | Exception:
     try:
-        return member.share(chunk)
+        return member.share(chunk, cap)
     except Exception as exc:
         return exc
 
 
-def _drafted(meeting: Rendezvous, member: Member, chunk: int | None) -> Share | Exception:
+def _drafted(meeting: Rendezvous, member: Member, chunk: int | None, cap: int | None) -> Share | Exception:
     """``member``'s share, planned in a drafting thread whose draft-model steps meet the others'."""
     try:
         with batching(meeting):
-            return _share(member, chunk)
+            return _share(member, chunk, cap)
     finally:
         meeting.leave()
 
@@ -109,9 +117,18 @@ def _drafted(meeting: Rendezvous, member: Member, chunk: int | None) -> Share | 
 class Scheduler:
     """The passes of one pair (``ModelPair.scheduler``); see the module docstring."""
 
-    def __init__(self, lock: threading.RLock, prefill_chunk: int = PREFILL_CHUNK, batch_drafts: bool = True):
+    def __init__(
+        self,
+        lock: threading.RLock,
+        cost: PairCost,
+        prefill_chunk: int = PREFILL_CHUNK,
+        batch_drafts: bool = True,
+        load_factor: float | None = LOAD_FACTOR,
+    ):
         self.lock = lock  # the pair's: held for each pass, and by callers joining or leaving
+        self.cost = cost  # the pair's: what a pass of so many rows costs (``draft_cap``)
         self.prefill_chunk = prefill_chunk
+        self.load_factor = load_factor  # None: members draft as alone, whatever the load
         # members draft in threads of their own, a draft model's steps shared (``packed.Rendezvous``);
         # False where drafters share one draft state (``ModelPair.draft_cache`` static or compiled)
         self.batch_drafts = batch_drafts
@@ -189,10 +206,21 @@ class Scheduler:
                 for observer in tuple(self._observers):
                     observed.enter_context(observer())
                 if members:
-                    self._pass(members)
+                    self._guarded_pass(members)
             if not members:  # every caller is behind: wait for one to take a Step
                 with self._turns:
                     self._turns.wait(timeout=0.05)
+
+    def _guarded_pass(self, members: list[Member]) -> None:
+        """A pass; a failure of the scheduler's own (not a member's) fails the members of the pass,
+        so that no caller waits on a pass that will never come."""
+        try:
+            self._pass(members)
+        except Exception as exc:
+            log.exception("a pass of %d calls failed", len(members))
+            for m in members:
+                if m in self.running:
+                    self._fail(m, exc)
 
     def _pass(self, members: list[Member]) -> None:
         chunk = self.prefill_chunk if len(members) > 1 else None
@@ -224,19 +252,33 @@ class Scheduler:
             if left:
                 self.remove(m)
 
+    def draft_cap(self, members: list[Member]) -> int | None:
+        """The most drafter tokens each member may add to a pass of ``members`` (None: no bound).
+
+        Drafts are rows of the pass; while a pass is bound by reading the weights, rows are nearly
+        free, and past ``rows_within(load_factor)`` (the cost model, by rows) each costs its share.
+        Under that load every member keeps its pending token and drafts within an equal part of
+        the budget (vLLM lowers its draft length with the batch size for the same reason); one
+        member alone drafts as its schedule says.
+        """
+        if len(members) == 1 or self.load_factor is None:
+            return None
+        rows = self.cost.rows_within(self.load_factor, max(m.cached for m in members))
+        return max(0, rows // len(members) - 1)
+
     def _shares(self, members: list[Member], chunk: int | None) -> list:
         """Each member's share of the pass (or the exception its drafting raised)."""
+        cap = self.draft_cap(members)
         if len(members) == 1 or not self.batch_drafts:
-            return [_share(m, chunk) for m in members]
+            return [_share(m, chunk, cap) for m in members]
         if self._drafting is None:
             self._drafting = ThreadPoolExecutor(DRAFTING_THREADS, thread_name_prefix="agentspec-draft")
         shares: list = []
         for wave in range(0, len(members), DRAFTING_THREADS):  # every thread of a wave runs at once
             group = members[wave : wave + DRAFTING_THREADS]
             meeting = Rendezvous(len(group))
-            shares += [
-                f.result() for f in [self._drafting.submit(_drafted, meeting, m, chunk) for m in group]
-            ]
+            futures = [self._drafting.submit(_drafted, meeting, m, chunk, cap) for m in group]
+            shares += [f.result() for f in futures]
         return shares
 
     def _fail(self, member: Member, exc: BaseException) -> None:

@@ -17,10 +17,9 @@ import os
 from collections.abc import Hashable, Mapping
 
 import torch
-from transformers import DynamicCache
 
 from agentspec.cache.radix import RadixCache, Tier
-from agentspec.kv import KVState, ModelState, Segments, common_prefix_len
+from agentspec.kv import KVState, ModelState, Segments, common_prefix_len, growing_cache
 
 __all__ = ["PrefixCache", "RadixCache", "Tier", "default_budget", "default_host_budget"]
 
@@ -59,12 +58,11 @@ def _free_ram() -> int:
 def _state(model, segments: Segments, ids: list[int]) -> ModelState:
     """A ModelState that adopts the segments (the tree's tensors or one copy of them, see
     ``RadixCache._gather``) as its cache tensors: ``DynamicCache.update`` would concatenate them
-    onto an empty tensor, a second full copy. ``DynamicLayer`` never writes its tensors in place
-    (``update`` concatenates, ``crop`` slices), so the tree's own are safe in it."""
-    cache = DynamicCache(config=model.config)
+    onto an empty tensor, a second full copy. A ``GrowingLayer`` never writes adopted tensors (its
+    first update copies them into its own buffer, ``crop`` slices), so the tree's own are safe in it."""
+    cache = growing_cache(model.config)
     for layer, (k, v) in zip(cache.layers, segments, strict=True):
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
+        layer.adopt(k, v)
     return ModelState(model, cache, ids)
 
 

@@ -38,6 +38,12 @@ def bpair(one_thread, target, draft, tokenizer) -> ModelPair:
     )
 
 
+@pytest.fixture
+def drafts_unbounded(bpair, monkeypatch):
+    """Members draft as they would alone, whatever the load (the tests that need their drafts)."""
+    monkeypatch.setattr(bpair.scheduler, "load_factor", None)
+
+
 @pytest.fixture(scope="module")
 def cases(bpair, greedy_cases):
     return greedy_cases(bpair.target, 8, N_NEW, every=3, seed=7)
@@ -182,7 +188,7 @@ class Crashing(Drafter):
         raise RuntimeError("the drafter broke")
 
 
-def test_one_calls_drafter_crashing_falls_back_alone(bpair, cases):
+def test_one_calls_drafter_crashing_falls_back_alone(bpair, cases, drafts_unbounded):
     chosen = cases[:4]
     results = start_together(
         bpair,
@@ -198,7 +204,7 @@ def test_one_calls_drafter_crashing_falls_back_alone(bpair, cases):
         assert r.stats.draft_failures == (1 if i == 0 else 0)
 
 
-def test_an_out_of_memory_pass_is_retried_with_fewer_calls(bpair, cases, monkeypatch):
+def test_an_out_of_memory_pass_is_retried_with_fewer_calls(bpair, cases, monkeypatch, drafts_unbounded):
     import agentspec.scheduler as scheduler
 
     real, failed = scheduler.forward_packed, []
@@ -256,7 +262,7 @@ def test_a_long_prompt_joins_in_chunks_beside_decoding_calls(bpair, cases, monke
     assert max(rows for _, rows in s.recent) <= 3 * (8 + 1)
 
 
-def test_a_draft_model_takes_one_step_per_draft_position_for_all_calls(bpair, cases):
+def test_a_draft_model_takes_one_step_per_draft_position_for_all_calls(bpair, cases, drafts_unbounded):
     """Four calls drafting with the draft model: its steps are packed (one forward for all four per
     draft position), so it runs far fewer forwards than the same calls one after another."""
     chosen = cases[:4]
@@ -279,3 +285,24 @@ def test_a_draft_model_takes_one_step_per_draft_position_for_all_calls(bpair, ca
         hook.remove()
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert sum(forwards) > 0 and len(forwards) < n_alone / 2, (len(forwards), sum(forwards), n_alone)
+
+
+def test_under_load_each_call_drafts_within_its_part_of_the_row_budget(bpair, cases, monkeypatch):
+    """The pass's rows are priced by the pair's cost model: where rows cost more, calls draft less."""
+    scheduler = bpair.scheduler
+    monkeypatch.setattr(scheduler.cost, "rows_within", lambda factor, cached, most=1024: 8)
+    chosen = cases[:4]
+    steps: list[list] = [[] for _ in chosen]
+
+    def streamed(i: int, prompt: list[int]):
+        steps[i] = list(agentspec.stream(bpair, prompt, "model", False, max_new_tokens=N_NEW))
+        return [t for s in steps[i] for t in s.tokens]
+
+    results = start_together(bpair, [lambda i=i, p=p: streamed(i, p) for i, (p, _) in enumerate(chosen)])
+    for (prompt, want), got in zip(chosen, results):
+        assert_same(bpair.target, prompt, got, want)
+    # 8 rows for 4 calls: one pending token and at most one draft token each while all four run
+    first = [s[: min(len(x) for x in steps)] for s in steps]
+    assert all(step.drafted <= 1 for s in first for step in s[1:])
+    alone = list(agentspec.stream(bpair, chosen[0][0], "model", False, max_new_tokens=N_NEW))
+    assert max(step.drafted for step in alone) > 1  # alone, the same call drafts more: the budget bound it
