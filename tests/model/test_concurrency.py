@@ -5,8 +5,8 @@ On the real embedded pair, with a prefix cache small enough to evict under the l
 suffix, prompt lookup, the draft model and none; prompts sharing a system prompt) and 50
 concurrent ``ainvoke`` calls. Each reply is compared with the same request made alone, before,
 on a plain (non-speculative, no-cache) instance; no call may hang, and the cache never holds
-more than its budget. Calls are serialised per pair (the README's concurrency model), so this
-proves that interleaving callers never leaks state from one call into another.
+more than its budget. Calls share the pair's passes (its scheduler, docs/batching.md), so this
+proves that calls decoded together never leak state from one call into another.
 """
 
 from __future__ import annotations
