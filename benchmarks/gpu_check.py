@@ -25,6 +25,8 @@ cut or crashes still reports what it measured. Phases:
   acceptance 0.6 / 0.8 / 0.95 (``agentspec.bench.replay``); transformers assisted generation cannot
   take that drafter (see ``assisted_per_pass``), so its cost per pass is compared instead.
 - prefix_cache: restore times, time to first token cold and cached, and peak memory.
+- batched: K = 1, 8, 32 calls at once sharing the pair's passes (issue 28): tokens/s against K = 1,
+  calls and host reads per pass, the first call's output against the same prompt alone.
 - compiled: the compiled baselines, last because compiling is slow: transformers' StaticCache
   under ``torch.compile(mode="reduce-overhead")`` for the draft's one-token step and the
   target's verify pass, and compiled static-cache ``generate()`` end to end.
@@ -40,6 +42,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -621,6 +624,65 @@ def phase_end_to_end(speed: Speed) -> dict[str, Any]:
     }
 
 
+# ---- phase: batched (calls sharing the pair's passes) -------------------------------------------
+
+BATCH_SIZES = (1, 8, 32)  # concurrent calls on the 7B-shaped pair
+
+
+def together(pair, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy outputs of ``prompts`` decoded at once: threads that all join the pair's scheduler before
+    its first pass (the pair's lock is held until every one waits to join), plain decoding."""
+    outs: list[Any] = [None] * len(prompts)
+
+    def call(i: int) -> None:
+        outs[i] = agentspec.generate(pair, prompts[i], None, False, max_new_tokens=n, speculative=False)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    waiting0 = pair.scheduler.stats.waiting
+    with pair.lock:
+        for t in threads:
+            t.start()
+        while pair.scheduler.stats.waiting - waiting0 < len(prompts):
+            time.sleep(0.001)
+    for t in threads:
+        t.join()
+    return [o.token_ids for o in outs]
+
+
+def phase_batched(speed: Speed, report: Report) -> dict[str, Any]:
+    """K calls at once on the 7B-shaped target share each pass (one forward over all their rows):
+    tokens/s against K = 1, calls per pass, host reads per pass, and each call's output against the
+    same prompt decoded alone (bfloat16: a packed pass's linears may round differently; counted)."""
+    pair, p = speed.pair, speed.plan
+    n = max(8, p.e2e_tokens // 2)
+    prompts = [speed.ids[i:] + speed.ids[:i] for i in range(max(BATCH_SIZES))]  # one length, all distinct
+    together(pair, prompts[:1], 4)  # warm-up
+    alone = {0: together(pair, prompts[:1], n)[0]}
+    rows: dict[str, Any] = {}
+    for k in BATCH_SIZES:
+        if report.left() < 30:
+            rows[str(k)] = {"status": "skipped", "error": "out of time"}
+            continue
+        before = dataclasses.replace(pair.scheduler.stats)
+        with HostSyncs(pair) as syncs:
+            outs, s = timed(lambda k=k: together(pair, prompts[:k], n), p.device)
+        st = pair.scheduler.stats
+        passes = st.passes - before.passes
+        rows[str(k)] = {
+            "seconds": s,
+            "tokens_per_s": k * n / s,
+            "passes": passes,
+            "calls_per_pass": (st.members - before.members) / passes,
+            "host_reads_per_pass": syncs.count / passes,
+            "first_identical_to_alone": outs[0] == alone[0],
+        }
+    base = rows["1"].get("tokens_per_s")
+    for row in rows.values():
+        if base and "tokens_per_s" in row:
+            row["throughput_vs_k1"] = row["tokens_per_s"] / base
+    return {"rows": rows, "new_tokens": n, "prompt_tokens": len(prompts[0])}
+
+
 # ---- phase (e): prefix cache -----------------------------------------------------------------
 
 
@@ -830,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
     report.phase("verify_cost", lambda: phase_verify_cost(speed))
     report.phase("end_to_end", lambda: phase_end_to_end(speed))
     report.phase("prefix_cache", lambda: phase_prefix_cache(speed))
+    report.phase("batched", lambda: phase_batched(speed, report))
     report.phase("compiled", lambda: phase_compiled(speed, report))
     phases = report.data["phases"]
     report.data["goals"] = goals(phases, judged=plan.device.type == "cuda" and not plan.quick)

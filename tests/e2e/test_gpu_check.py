@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ["identity", "syncs", "verify_cost", "end_to_end", "prefix_cache", "compiled"]
+PHASES = ["identity", "syncs", "verify_cost", "end_to_end", "prefix_cache", "batched", "compiled"]
 
 
 @pytest.mark.slow
@@ -47,5 +47,8 @@ def test_the_quick_cpu_run_reports_every_phase(tmp_path):
     assert all(e2e[f"agentspec replay {a}"]["identical"] for a in (0.6, 0.8, 0.95))
     assert e2e["transformers assisted"]["passes"] > 0
     assert phases["prefix_cache"]["restored_tokens"] == phases["prefix_cache"]["prompt_tokens"] - 1
+    batched = phases["batched"]["rows"]
+    assert batched["8"]["calls_per_pass"] > 1 and batched["32"]["calls_per_pass"] > 1
+    assert all(row["first_identical_to_alone"] for row in batched.values())  # float32 on a CPU
     compiled = phases["compiled"]
     assert compiled["parts_skipped"] == [] and compiled["static_generate"]["identical"]
