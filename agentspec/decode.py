@@ -37,6 +37,7 @@ from agentspec.grammar import Constraint, Grammar, apply_bitmask
 from agentspec.kv import ModelState, PassIds, to_device
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
 from agentspec.models import ModelPair
+from agentspec.packed import read_values
 from agentspec.sampling import make_generator, probabilities
 from agentspec.scheduler import LOOKAHEAD
 from agentspec.stats import DecodeStats
@@ -364,18 +365,6 @@ def _guard(d: torch.Tensor, q: torch.Tensor | None, vocab: int, on_device: bool)
     return d, q, torch.stack(flags).any() if flags else None
 
 
-def _read(result: torch.Tensor, bad: torch.Tensor | None, d: torch.Tensor | None):
-    """The one host read of a verification: (n, token, the draft's ids or None, draft was bad)."""
-    parts = [result]
-    if bad is not None:
-        parts.append(bad.long().reshape(1).to(result.device))
-    if d is not None:
-        parts.append(d.to(result.device))
-    read = torch.cat(parts).tolist()
-    flagged = bad is not None and bool(read[2])
-    return read[0], read[1], read[2 + (bad is not None) :] if d is not None else None, flagged
-
-
 @dataclass
 class _Pass:
     """One call's share of a target pass: planned before the pass runs (``_plan``), landed after it
@@ -438,14 +427,19 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
     return p
 
 
-def _accept(call: _Call, p: _Pass, out) -> tuple[int, int, list[int]]:
-    """Accept the draft against the pass's logits ``out`` ([k+1, V], with the hidden rows when tapped).
+@dataclass
+class _Verdict:
+    """A pass's result for one call, still on the device until the pass's one host read: ``values``
+    [n, token, (the draft was bad), (the draft's ids)], and the hidden rows (a tapped pass)."""
 
-    Returns (draft tokens accepted, the token drawn after them, the accepted draft tokens); the
-    target is rolled back to the verified tokens, and the constraint commits them. The host reads
-    the device once: the accept count, the token and (when they live there) the draft's ids.
-    """
-    target, c, config = call.target, call.constraint, call.config
+    values: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+def _judge(call: _Call, p: _Pass, out) -> _Verdict:
+    """Accept the draft against the pass's logits ``out`` ([k+1, V], with the hidden rows when
+    tapped), on the device: what the host is to read (``_accept`` takes it)."""
+    c, config = call.constraint, call.config
     k, d, on_device = len(p.tokens), p.feed.device, isinstance(p.tokens, torch.Tensor)
     try:
         logits, hidden = out if p.tap else (out, None)  # [k+1, V]; [pass tokens, H]
@@ -456,11 +450,27 @@ def _accept(call: _Call, p: _Pass, out) -> tuple[int, int, list[int]]:
         else:
             probs = probabilities(logits, config.temperature, config.top_k, config.top_p)
             result = speculative_accept(d, probs, p.q, call.gen)
-        n, token, ids, flagged = _read(result, p.bad, d if on_device else None)
+        parts = [result]
+        if p.bad is not None:
+            parts.append(p.bad.long().reshape(1).to(result.device))
+        if on_device:
+            parts.append(d.to(result.device))
+        return _Verdict(torch.cat(parts), hidden)
     except BaseException:
-        target.truncate(p.at)  # the pass's positions are not verified: the state stays whole
+        call.target.truncate(p.at)  # the pass's positions are not verified: the state stays whole
         raise
-    accepted = ids[:n] if on_device else p.tokens[:n]
+
+
+def _accept(
+    call: _Call, p: _Pass, read: list[int], hidden: torch.Tensor | None
+) -> tuple[int, int, list[int]]:
+    """Take the verdict's values as read (``_Verdict.values``): returns (draft tokens accepted, the
+    token drawn after them, the accepted draft tokens); the target is rolled back to the verified
+    tokens, and the constraint commits them."""
+    target, c = call.target, call.constraint
+    n, token = read[0], read[1]
+    flagged = p.bad is not None and bool(read[2])
+    accepted = read[2 + (p.bad is not None) :][:n] if isinstance(p.tokens, torch.Tensor) else p.tokens[:n]
     assert 0 <= token < call.vocab, f"{token=} {call.vocab=}"
     target.settle(accepted)  # roll back the rejected draft tokens
     if hidden is not None:  # the verified positions' features
@@ -483,14 +493,14 @@ def _verify_alone(call: _Call, p: _Pass):
     return forward_retrying(call.target, p.feed, p.keep, call.free_memory, p.tap)
 
 
-def _land(call: _Call, p: _Pass, out) -> Step:
-    """Accept, roll back, finish: what the pass (``out``: its logits; None when ``p.verified`` is
-    False, the grammar alone) adds to the call's output."""
+def _land(call: _Call, p: _Pass, read: list[int] | None, hidden: torch.Tensor | None = None) -> Step:
+    """Accept, roll back, finish: what the pass (``read``: its verdict's values as read; None when
+    ``p.verified`` is False, the grammar alone) adds to the call's output."""
     seq, target, c, stats = call.seq, call.target, call.constraint, call.stats
     tokens, forced = p.tokens, p.forced
     n, new = 0, list(forced)
     if p.verified:
-        n, token, accepted = _accept(call, p, out)
+        n, token, accepted = _accept(call, p, read, hidden)
         stats.observe_step(len(tokens), n, p.source)
         stats.jump_forward_tokens += p.n_jump
         stats.jump_forward_accepted += min(n, p.n_jump)
@@ -533,10 +543,23 @@ def _land(call: _Call, p: _Pass, out) -> Step:
     )
 
 
+def _read_whole(call: _Call, p: _Pass, verdicts: list[torch.Tensor]) -> list[list[int]]:
+    """``read_values``; a failed read leaves the call's state as before the pass."""
+    try:
+        return read_values(verdicts)
+    except BaseException:
+        call.target.truncate(p.at)
+        raise
+
+
 def _one_pass(call: _Call) -> Step:
     """Draft, verify, accept, roll back: what one target pass (or a grammar alone) adds to the output."""
     p = _plan(call)
-    step = _land(call, p, _verify_alone(call, p) if p.verified else None)
+    read = hidden = None
+    if p.verified:
+        verdict = _judge(call, p, _verify_alone(call, p))
+        read, hidden = _read_whole(call, p, [verdict.values])[0], verdict.hidden
+    step = _land(call, p, read, hidden)
     if step.target_pass:  # every timed pass teaches the pair's cost model, whoever reads it
         call.pair.cost.observe(step.fed, step.cached, step.seconds)
     return step
@@ -666,6 +689,8 @@ class _Member:
         self.delivered = 0  # items put in the outbox
         self.taken = 0  # items the caller took
         self.closed = False  # the caller left: it takes no further pass
+        self._at = len(call.target.ids)  # the target's length before the pass under way
+        self._hidden: torch.Tensor | None = None  # the pass's hidden rows, from ``judge`` to ``land``
 
     def ready(self) -> bool:
         if self.closed or (self.cancelled is not None and self.cancelled.is_set()):
@@ -673,16 +698,25 @@ class _Member:
         return self.delivered - self.taken < LOOKAHEAD
 
     def share(self, chunk: int | None, cap: int | None) -> _Pass:
+        self._at = len(self.call.target.ids)  # where a pass that fails before its landing rolls back to
         return (_chunk(self.call, chunk) if chunk is not None else None) or _plan(self.call, cap)
 
     @property
     def cached(self) -> int:
         return len(self.call.target.ids)
 
-    def land(self, p: _Pass, out: Any, alone: bool) -> bool:
+    def judge(self, p: _Pass, out: Any) -> torch.Tensor | None:
+        if not p.verified:  # a chunk of the prompt, or the grammar alone: nothing to read
+            return None
+        verdict = _judge(self.call, p, out)
+        self._hidden = verdict.hidden
+        return verdict.values
+
+    def land(self, p: _Pass, read: list[int] | None, alone: bool) -> bool:
         if p.chunk:
             return False
-        step = _land(self.call, p, out)
+        hidden, self._hidden = self._hidden, None
+        step = _land(self.call, p, read, hidden)
         if alone and step.target_pass:  # a pass of its own teaches the cost model, as a solo call's
             self.pair.cost.observe(step.fed, step.cached, step.seconds)
         self._put(step)
@@ -694,6 +728,7 @@ class _Member:
         return late is not None
 
     def fail(self, exc: BaseException) -> None:
+        self.call.target.truncate(self._at)  # the verified state, whatever the failed pass fed
         self._put(exc)
 
     def _put(self, item: Step | BaseException) -> None:

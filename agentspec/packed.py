@@ -212,3 +212,15 @@ def _run(group: list[_Request]) -> None:
             except Exception as exc:
                 r.error = exc
         r.done = True
+
+
+def read_values(verdicts: list[torch.Tensor]) -> list[list[int]]:
+    """The values of several verdicts in one host read (the one per pass that waits for the device)."""
+    if len(verdicts) == 1:
+        return [verdicts[0].tolist()]
+    flat = torch.cat(verdicts).tolist()
+    out, at = [], 0
+    for v in verdicts:  # a tensor's length is host metadata: no read
+        out.append(flat[at : at + v.shape[0]])
+        at += v.shape[0]
+    return out

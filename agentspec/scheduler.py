@@ -30,10 +30,12 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from agentspec.cost import PairCost
 from agentspec.kv import ModelState, PassIds, batching
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
-from agentspec.packed import Rendezvous, forward_packed, packable
+from agentspec.packed import Rendezvous, forward_packed, packable, read_values
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +78,19 @@ class Member(Protocol):
         ``cap``: the most drafter tokens (None: its own cap)."""
         ...
 
-    def land(self, share: Share, out: Any, alone: bool) -> bool:
-        """Take the pass's result (logits, or None: no forward); True when it leaves the running set
-        (finished, failed or timed out: it told its caller)."""
+    def judge(self, share: Share, out: Any) -> torch.Tensor | None:
+        """The pass's verdict from its logits ``out``, on the device: what the host is to read for
+        it (None: nothing; no forward ran, or it reads no logits)."""
+        ...
+
+    def land(self, share: Share, read: list[int] | None, alone: bool) -> bool:
+        """Take the verdict's values as read; True when it leaves the running set (finished,
+        failed or timed out: it told its caller)."""
         ...
 
     def fail(self, exc: BaseException) -> None:
-        """Tell its caller the call failed with ``exc``; it leaves the running set."""
+        """Roll the target back to before the pass under way, and tell its caller the call failed
+        with ``exc``; it leaves the running set."""
         ...
 
 
@@ -239,18 +247,35 @@ class Scheduler:
             self.stats.rows += rows
             self.stats.recent.append((len(fed), rows))
         alone = len(fed) == 1
+        judged = []
         for m, s in shares:
             out = outs.get(id(m))
-            if isinstance(out, BaseException):
-                self._fail(m, out)
-                continue
             try:
-                left = m.land(s, out, alone)
+                if isinstance(out, BaseException):
+                    raise out
+                judged.append((m, s, m.judge(s, out)))
+            except Exception as exc:
+                self._fail(m, exc)
+        for m, s, read in self._read(judged):
+            try:
+                left = m.land(s, read, alone)
             except Exception as exc:
                 self._fail(m, exc)
                 continue
             if left:
                 self.remove(m)
+
+    def _read(self, judged: list) -> list:
+        """(member, share, its values) with every member's verdict read in one host read (on a GPU,
+        the one wait of the pass); a failed read fails its members."""
+        verdicts = [v for _, _, v in judged if v is not None]
+        try:
+            values = iter(read_values(verdicts)) if verdicts else iter(())
+        except Exception as exc:
+            for m, _, _ in judged:
+                self._fail(m, exc)
+            return []
+        return [(m, s, next(values) if v is not None else None) for m, s, v in judged]
 
     def draft_cap(self, members: list[Member]) -> int | None:
         """The most drafter tokens each member may add to a pass of ``members`` (None: no bound).

@@ -306,3 +306,25 @@ def test_under_load_each_call_drafts_within_its_part_of_the_row_budget(bpair, ca
     assert all(step.drafted <= 1 for s in first for step in s[1:])
     alone = list(agentspec.stream(bpair, chosen[0][0], "model", False, max_new_tokens=N_NEW))
     assert max(step.drafted for step in alone) > 1  # alone, the same call drafts more: the budget bound it
+
+
+def test_a_pass_of_several_calls_reads_the_device_once(bpair, cases):
+    """Every call's verdict (accept count, token, draft ids) comes back in one host read per pass:
+    on a GPU the one wait of the pass, however many calls share it."""
+    from agentspec.bench.syncs import HostSyncs
+
+    chosen = cases[:4]
+    s = bpair.scheduler.stats
+    passes0 = s.passes
+    with HostSyncs(bpair) as syncs:
+        results = start_together(
+            bpair,
+            [
+                lambda p=p: agentspec.generate(bpair, p, "none", False, max_new_tokens=N_NEW)
+                for p, _ in chosen
+            ],
+        )
+    for (prompt, want), r in zip(chosen, results):
+        assert_same(bpair.target, prompt, r.token_ids, want)
+    assert s.passes - passes0 < sum(r.stats.verify_steps for r in results)  # the passes were shared
+    assert syncs.count == s.passes - passes0, syncs.where
