@@ -113,10 +113,15 @@ def passes_between(before: tuple[int, int, int], after: tuple[int, int, int]) ->
     }
 
 
-def run_pair(name: str, dtype: str, k: int, n_new: int, traces: Sequence[Any]) -> dict[str, Any]:
+def run_pair(
+    name: str, dtype: str, k: int, n_new: int, traces: Sequence[Any], load_factor: str = "default"
+) -> dict[str, Any]:
     """k sessions on a fresh pair in this process: all at once (``inprocess``) or one after another
-    (``sequential``)."""
+    (``sequential``); ``load_factor``: the scheduler's (``Scheduler.load_factor``; "none": no bound
+    on drafts under load, "default": the scheduler's own)."""
     pair = agentspec.load_pair(dtype=dtype)
+    if load_factor != "default":
+        pair.scheduler.load_factor = None if load_factor == "none" else float(load_factor)
     llm = ChatSpecDecode(pair=pair, max_tokens=n_new)
     # first-call costs stay out of the timing (the chat template's first few tokens stay in the
     # pair's cache: a first turn reads them, where a server's salted turn reads nothing)
@@ -130,6 +135,7 @@ def run_pair(name: str, dtype: str, k: int, n_new: int, traces: Sequence[Any]) -
     sessions, wall = at_once(session_ids(name, k), session_traces(k, traces), session, workers)
     return {
         **summary(k, wall, sessions),
+        "load_factor": pair.scheduler.load_factor,
         "scheduler": passes_between(before, scheduler_counts(pair)),
         "sessions": sessions,
     }
@@ -217,7 +223,13 @@ def measure_servers(
 
 
 def measure(
-    names: list[str], ks: list[int], n_new: int, dtype: str, traces: Sequence[Any], tokenizer: Any
+    names: list[str],
+    ks: list[int],
+    n_new: int,
+    dtype: str,
+    traces: Sequence[Any],
+    tokenizer: Any,
+    load_factor: str = "default",
 ) -> tuple[dict, dict]:
     """The runs of each system that can run here, one system after another, and why the others
     were skipped."""
@@ -229,7 +241,7 @@ def measure(
         if name in ("inprocess", "sequential"):
             runs[name] = []
             for k in ks:
-                runs[name].append(run_pair(name, dtype, k, n_new, traces))
+                runs[name].append(run_pair(name, dtype, k, n_new, traces, load_factor))
                 report(name, runs[name][-1])
             continue
         got = measure_servers(name, ks, server_run(name, tokenizer, n_new, traces), dtype, log_dir)
@@ -302,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--traces", default=None, help="comma-separated trace names (default: all)")
+    ap.add_argument(
+        "--load-factor",
+        default="default",
+        help='the in-process pair\'s Scheduler.load_factor: "default", "none" or a number',
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/concurrency.json")
     args = ap.parse_args(argv)
     names, ks = args.systems.split(","), [int(k) for k in args.k.split(",")]
@@ -314,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = agentspec.load_pair(dtype=args.dtype)
     env, tokenizer = environment(pair), pair.tokenizer  # at the start: the commit, the machine, the load
     del pair  # each in-process run loads a fresh one
-    runs, skipped = measure(names, ks, args.max_new_tokens, args.dtype, traces, tokenizer)
+    runs, skipped = measure(names, ks, args.max_new_tokens, args.dtype, traces, tokenizer, args.load_factor)
     compare_with_solo(runs)
     result = {
         "benchmark": "K concurrent agent sessions: in process, sequential, agentspec serve, vLLM, fleet",
