@@ -677,6 +677,9 @@ def _save(
     return written
 
 
+_CANCELLED = object()  # the end of a cancelled call's Steps (``_Member.ready``)
+
+
 class _Member:
     """One call as a member of its pair's scheduler (``agentspec.scheduler.Member``): its state, and
     the Steps on their way from the scheduler's thread to the caller's (``steps``)."""
@@ -693,9 +696,14 @@ class _Member:
         self._hidden: torch.Tensor | None = None  # the pass's hidden rows, from ``judge`` to ``land``
 
     def ready(self) -> bool:
-        if self.closed or (self.cancelled is not None and self.cancelled.is_set()):
-            return False  # no pass after a cancel: the caller ends the call at its next Step
-        return self.delivered - self.taken < LOOKAHEAD
+        """It takes part in the next pass. A cancelled call takes none: the first time it is asked
+        after the cancel, its Steps end (``_CANCELLED``), waking a caller waiting for the next."""
+        if self.cancelled is not None and self.cancelled.is_set():
+            if not self.closed:
+                self.closed = True
+                self._put(_CANCELLED)
+            return False
+        return not self.closed and self.delivered - self.taken < LOOKAHEAD
 
     def share(self, chunk: int | None, cap: int | None) -> _Pass:
         self._at = len(self.call.target.ids)  # where a pass that fails before its landing rolls back to
@@ -743,6 +751,8 @@ class _Member:
             self.pair.scheduler.wake()
             if isinstance(item, BaseException):
                 raise item
+            if item is _CANCELLED:
+                return
             yield item
             if item.finish_reason is not None:
                 return
@@ -782,8 +792,8 @@ def stream(
     in that namespace only (None: the default, shared by every call that names none). Outputs are
     the same either way.
 
-    ``cancelled``: once set, the call takes no further pass (a consumer that left); its caller ends
-    it by closing the generator at its next Step.
+    ``cancelled``: once set, the call takes no further pass (a consumer that left): its Steps end
+    at the next pass boundary, without a finish reason, and what was verified is saved.
     """
     config = _config(options)
     d = resolve_drafter(pair, drafter, config.speculative, namespace)

@@ -23,8 +23,10 @@ from agentspec.cache import PrefixCache
 from agentspec.decode import DecodeTimeout
 from agentspec.drafters import Drafter
 from agentspec.memory import DeviceOutOfMemory
+from agentspec.scheduler import LOOKAHEAD
 
 N_NEW = 16
+LOOKAHEAD_PLUS_ONE = LOOKAHEAD + 1  # Steps a call may have run ahead when its caller cancels, and one more
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -328,3 +330,32 @@ def test_a_pass_of_several_calls_reads_the_device_once(bpair, cases):
         assert_same(bpair.target, prompt, r.token_ids, want)
     assert s.passes - passes0 < sum(r.stats.verify_steps for r in results)  # the passes were shared
     assert syncs.count == s.passes - passes0, syncs.where
+
+
+@pytest.mark.parametrize("when", ["before the first pass", "after the first step"])
+def test_cancelled_calls_end_and_leave_the_scheduler(bpair, cases, when):
+    """A cancel (a client that went away) ends the call at the next pass boundary, even while its
+    caller waits for a Step that will never come; its verified part is saved, and no member is left."""
+    chosen = cases[:3]
+    events = [threading.Event() for _ in chosen]
+    if when == "before the first pass":
+        for e in events:
+            e.set()
+
+    def cancelled_call(i: int, prompt: list[int]) -> list:
+        steps = []
+        for step in agentspec.stream(bpair, prompt, "model", True, cancelled=events[i], max_new_tokens=40):
+            steps.append(step)
+            events[i].set()  # after the first step at the latest
+        return steps
+
+    results = start_together(
+        bpair, [lambda i=i, p=p: cancelled_call(i, p) for i, (p, _) in enumerate(chosen)]
+    )
+    for (_, want), steps in zip(chosen, results):
+        assert not isinstance(steps, Exception), steps
+        assert len(steps) <= LOOKAHEAD_PLUS_ONE and all(s.finish_reason is None for s in steps)
+        got = [t for s in steps for t in s.tokens]
+        assert got == want[: len(got)]
+    assert bpair.scheduler.running == [] and bpair.scheduler.stats.running == 0
+    bpair.prefix_cache.tree.check()
