@@ -9,17 +9,14 @@ admitted, callers waiting, passes and sequences fed), never timed.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import uvicorn
+from test_serve_errors import _served, _wait_for  # the server in a thread, a bounded wait
 
-from agentspec.fleet.process import free_port
 from agentspec.serve import create_app
 
 URL = "/v1/chat/completions"
@@ -36,28 +33,6 @@ def _body(i: int, **options) -> dict:
     content = f"Tell me about {TOPICS[i]}." + " Please." * i
     messages = [{"role": "user", "content": content}]
     return {"messages": messages, "max_tokens": 10, "temperature": 0, "cache_salt": _salt(), **options}
-
-
-@contextlib.contextmanager
-def _served(app):
-    """``app`` behind uvicorn on a free port of 127.0.0.1, in a thread; the base URL."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        _wait_for(lambda: server.started, "uvicorn to start")
-        yield f"http://127.0.0.1:{config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-
-
-def _wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def hold_at(monkeypatch, model, n: int, reached: threading.Event, release: threading.Event) -> None:
