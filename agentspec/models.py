@@ -33,7 +33,7 @@ from agentspec.drafters.eagle import is_eagle
 from agentspec.drafters.tenants import TenantStore
 from agentspec.grammar import GrammarCompiler
 from agentspec.kv import WeightFirst
-from agentspec.scheduler import Scheduler
+from agentspec.scheduler import PREFILL_CHUNK, PREFILL_CHUNKS, Scheduler
 from agentspec.static_kv import StaticState
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,12 @@ class ModelPair:
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)
         # every call on the pair runs its passes here; drafters share a draft state unless dynamic
-        self.scheduler = Scheduler(self.lock, self.cost, batch_drafts=self.draft_cache == "dynamic")
+        self.scheduler = Scheduler(
+            self.lock,
+            self.cost,
+            prefill_chunk=PREFILL_CHUNKS.get(self.cost.device_type, PREFILL_CHUNK),
+            batch_drafts=self.draft_cache == "dynamic",
+        )
         if self.draft_cache not in DRAFT_CACHES:
             raise ValueError(f"draft_cache: expected one of {DRAFT_CACHES}, got {self.draft_cache!r}")
 

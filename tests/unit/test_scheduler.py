@@ -290,8 +290,10 @@ def test_a_draft_model_takes_one_step_per_draft_position_for_all_calls(bpair, ca
 
 
 def test_under_load_each_call_drafts_within_its_part_of_the_row_budget(bpair, cases, monkeypatch):
-    """The pass's rows are priced by the pair's cost model: where rows cost more, calls draft less."""
+    """With a load factor, the pass's rows are priced by the pair's cost model: where rows cost more,
+    calls draft less."""
     scheduler = bpair.scheduler
+    monkeypatch.setattr(scheduler, "load_factor", 2.0)
     monkeypatch.setattr(scheduler.cost, "rows_within", lambda factor, cached, most=1024: 8)
     chosen = cases[:4]
     steps: list[list] = [[] for _ in chosen]
