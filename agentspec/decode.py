@@ -1,10 +1,14 @@
 """The decoding loop: prefill, draft, verify in one target pass, accept, roll back. One generator.
 
-``_one_pass`` is one pass (draft, verify, accept, roll back) and ``_passes`` the loop around it;
-``decode`` checks the prompt and runs them, and ``stream`` adds the pair's lock, the drafter's
-health and the prefix cache (read in ``_restore``, written in ``_save``); ``run`` wraps ``stream`` in a
-``Run`` that ends in the call's ``CallRecord``. Every entry point (``generate``, ``agentspec.chat.run``
-for the LangChain chat model and the server, the benchmarks) consumes one of these.
+A pass is planned (``_plan``: forced tokens, the draft, what the target is fed), run (a target
+forward), judged on the device (``_judge``), read, and landed (``_land``: accept, roll back, finish).
+``_one_pass`` does it for one call alone and ``_passes`` loops it: ``decode`` checks the prompt and
+runs them in the caller's thread. ``stream`` makes the call a member of the pair's scheduler
+(``agentspec.scheduler``), whose passes run the planned shares of every call on the pair in one
+forward; it adds the drafter's health and the prefix cache (read in ``_restore`` when the call joins,
+written in ``_save`` when it leaves). ``run`` wraps ``stream`` in a ``Run`` that ends in the call's
+``CallRecord``. Every entry point (``generate``, ``agentspec.chat.run`` for the LangChain chat model
+and the server, the benchmarks) consumes one of these.
 
 Cache invariant, asserted by ``ModelState``: after every step the target's cache holds exactly the
 verified sequence minus its last token, which is fed (with the next draft) on the next pass; the
