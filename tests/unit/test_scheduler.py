@@ -15,9 +15,12 @@ import time
 
 import pytest
 import torch
+from test_grammar import FORCED, LIST, pieces, reference
+from test_grammar import PROMPTS as GRAMMAR_PROMPTS
 
 import agentspec
 from agentspec import Draft, ModelPair
+from agentspec import grammar as G
 from agentspec.attention import use_grouped_sdpa
 from agentspec.cache import PrefixCache
 from agentspec.decode import DecodeTimeout
@@ -361,3 +364,35 @@ def test_cancelled_calls_end_and_leave_the_scheduler(bpair, cases, when):
         assert got == want[: len(got)]
     assert bpair.scheduler.running == [] and bpair.scheduler.stats.running == 0
     bpair.prefix_cache.tree.check()
+
+
+@pytest.fixture(scope="module")
+def grammar_pair(one_thread, tiny_llama, perturbed, fake_tokenizer) -> ModelPair:
+    """test_grammar's pair (pieces a grammar can use), on the attention the packed pass needs."""
+    target = tiny_llama(3, logit_scale=4.0)
+    draft = perturbed(target, seed=4, noise=0.1)
+    assert use_grouped_sdpa(target) and use_grouped_sdpa(draft)
+    return ModelPair(
+        target=target, draft=draft, tokenizer=fake_tokenizer(pieces=pieces(64)), name="g-batched"
+    )
+
+
+@pytest.mark.parametrize("source", ["LIST", "FORCED"])
+def test_a_grammar_constrained_call_beside_free_calls(grammar_pair, hf_greedy, source):
+    """A constrained call (its own bitmask rows, jump-forward tokens) shares passes with free calls:
+    it equals plain constrained decoding, and they equal plain decoding."""
+    grammar = G.ebnf({"LIST": LIST, "FORCED": FORCED}[source])
+    prompts = GRAMMAR_PROMPTS
+    want = reference(grammar_pair, prompts[0], grammar, 16)
+    calls = [lambda: agentspec.generate(grammar_pair, prompts[0], "model", False, grammar, max_new_tokens=16)]
+    calls += [
+        lambda p=p: agentspec.generate(grammar_pair, p, "model", False, max_new_tokens=16)
+        for p in prompts[1:]
+    ]
+    stats = grammar_pair.scheduler.stats
+    passes0, members0 = stats.passes, stats.members
+    results = start_together(grammar_pair, calls)
+    assert stats.members - members0 > stats.passes - passes0  # the passes were shared
+    assert results[0].token_ids == want
+    for prompt, r in zip(prompts[1:], results[1:]):
+        assert_same(grammar_pair.target, prompt, r.token_ids, hf_greedy(grammar_pair.target, prompt, 16))
