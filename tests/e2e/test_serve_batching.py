@@ -15,7 +15,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from test_serve_errors import _served, _wait_for  # the server in a thread, a bounded wait
+from test_serve_errors import _served, _wait_for, hold_at  # a server in a thread, bounded waits, a held pass
 
 from agentspec.serve import create_app
 
@@ -33,20 +33,6 @@ def _body(i: int, **options) -> dict:
     content = f"Tell me about {TOPICS[i]}." + " Please." * i
     messages = [{"role": "user", "content": content}]
     return {"messages": messages, "max_tokens": 10, "temperature": 0, "cache_salt": _salt(), **options}
-
-
-def hold_at(monkeypatch, model, n: int, reached: threading.Event, release: threading.Event) -> None:
-    """Make ``model``'s ``n``-th forward from now (0-based) wait for ``release``, having set ``reached``."""
-    real, calls = model.forward, []
-
-    def forward(*args, **kwargs):
-        calls.append(1)
-        if len(calls) - 1 == n:
-            reached.set()
-            release.wait(WAIT_S)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", forward)
 
 
 def _post(url: str, body: dict, key: str | None = None) -> httpx.Response:
