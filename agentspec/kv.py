@@ -364,12 +364,17 @@ class ModelState:
         except BaseException:
             self._roll_back(held)
             raise
-        self.ids.extend(new.host)
-        self.unread += len(new) - len(new.host)
-        self.check()
+        self.advance(new)
         if captured is not None:
             return out.logits[0, -keep:], captured[-1][0, -len(new) :]
         return out.logits[0, -keep:]
+
+    def advance(self, new: PassIds) -> None:
+        """A pass fed ``new`` after the cached positions (this state's own, or a packed one): its
+        host ids join ``ids``, its device ids are ``unread``."""
+        self.ids.extend(new.host)
+        self.unread += len(new) - len(new.host)
+        self.check()
 
     @property
     def reusable(self) -> bool:

@@ -48,13 +48,17 @@ def packable(state: ModelState) -> bool:
 class PackedPass:
     """The cache and attention of one packed pass (see the module docstring); ``forward`` runs it."""
 
-    def __init__(self, states: Sequence[ModelState], lengths: Sequence[int]):
+    def __init__(
+        self, states: Sequence[ModelState], held: Sequence[int], lengths: Sequence[int], device: torch.device
+    ):
         self.states = states
         self.spans: list[tuple[int, int]] = []
         at = 0
         for n in lengths:
             self.spans.append((at, at + n))
             at += n
+        # each sequence's mask, the same in every layer: built once a pass, as a solo pass builds its own
+        self.masks = [_causal(h, n, device) for h, n in zip(held, lengths)]
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's per-sequence K, V
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, **_: object):
@@ -68,14 +72,8 @@ class PackedPass:
     def attend(self, module, query: torch.Tensor, dropout: float, scaling: float | None, **kwargs):
         """Each sequence's queries over its own keys: [1, T, Hq, D], as an attention function returns."""
         outs = []
-        for (a, b), (k, v) in zip(self.spans, self._kv):
-            q = query[:, :, a:b]
-            n, length = b - a, k.shape[2]
-            mask = None
-            if n > 1:  # causal, the rows after the cached ones: what sdpa_mask builds for a solo pass
-                rows = torch.arange(length - n, length, device=q.device)[:, None]
-                mask = (torch.arange(length, device=q.device)[None, :] <= rows)[None, None]
-            outs.append(self._one(module, q, k, v, mask, dropout, scaling, **kwargs))
+        for (a, b), (k, v), mask in zip(self.spans, self._kv, self.masks):
+            outs.append(self._one(module, query[:, :, a:b], k, v, mask, dropout, scaling, **kwargs))
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], None
 
     @staticmethod
@@ -85,6 +83,16 @@ class PackedPass:
                 0
             ]
         return grouped_sdpa_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+
+
+def _causal(held: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """The mask of ``n`` rows after ``held`` cached ones (None for one row, which sees every key):
+    what transformers' ``sdpa_mask`` builds for a solo pass."""
+    if n == 1:
+        return None
+    length = held + n
+    rows = torch.arange(held, length, device=device)[:, None]
+    return (torch.arange(length, device=device)[None, :] <= rows)[None, None]
 
 
 @torch.inference_mode()
@@ -105,7 +113,7 @@ def forward_packed(
     positions = torch.cat([torch.arange(h, h + n, device=device) for h, n in zip(held, lengths)])[None]
     ends = itertools.accumulate(lengths)
     rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, keeps)]).to(device)
-    pack = PackedPass(states, lengths)
+    pack = PackedPass(states, held, lengths, device)
     try:
         with ExitStack() as stack:
             stack.enter_context(few_rows_pass(sum(lengths)))
@@ -128,9 +136,7 @@ def forward_packed(
     logits = out.logits[0]  # [sum(keeps), V]
     results, at = [], 0
     for state, new, keep, (a, b) in zip(states, news, keeps, pack.spans):
-        state.ids.extend(new.host)
-        state.unread += len(new) - len(new.host)
-        state.check()
+        state.advance(new)
         rows_i = logits[at : at + keep]
         at += keep
         results.append((rows_i, captured[-1][0, a:b]) if captured is not None else rows_i)
