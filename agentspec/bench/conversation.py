@@ -163,12 +163,46 @@ TURNS = [
     ),
 ]
 
+# Four more turns after TURNS, for a 12-call conversation (``LONG_TURNS``, bench_vs_vllm): apart,
+# so that the benchmarks and tests that replay all of TURNS keep measuring the same 8 calls.
+EXTRA_TURNS = [
+    ("user", "Customer C-884 also wants 5 MS-12 mice on order A-10177. Do we have them?"),
+    (
+        "tool",
+        json.dumps(
+            {
+                "sku": "MS-12",
+                "name": "wireless mouse",
+                "price": 24.9,
+                "stock": {"north": 0, "south": 3, "east": 0},
+            }
+        ),
+    ),
+    ("user", "Reserve the 3 we have for A-10177 and back-order the other 2."),
+    (
+        "tool",
+        json.dumps(
+            {
+                "ok": True,
+                "reservation": "R-55131",
+                "sku": "MS-12",
+                "quantity": 3,
+                "order_id": "A-10177",
+                "warehouse": "south",
+                "back_order": {"quantity": 2, "eta": "2026-12-09"},
+            }
+        ),
+    ),
+]
+LONG_TURNS = TURNS + EXTRA_TURNS
 
-def messages_for_call(n: int, answers: list[str]) -> list[dict]:
-    """The message list an agent sends on call n (0-based), given the model's earlier answers."""
+
+def messages_for_call(n: int, answers: list[str], turns: list[tuple[str, str]] = TURNS) -> list[dict]:
+    """The message list an agent sends on call n (0-based) of ``turns``, given the model's earlier
+    answers."""
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
     for i in range(n + 1):
-        role, content = TURNS[i]
+        role, content = turns[i]
         msgs.append({"role": role, "content": content})
         if i < n:
             msgs.append({"role": "assistant", "content": answers[i]})
