@@ -21,6 +21,9 @@ cut or crashes still reports what it measured. Phases:
   top1 - top2 at that position: near-ties may flip there, the output is lossless in distribution).
 - syncs: host syncs per verify pass (``agentspec.bench.syncs.HostSyncs``; on CUDA also CUDA's count).
 - verify_cost: T(n)/T(1) of the 7B-shaped target and the 0.5B-shaped draft's step, eager.
+- profile: issue 29's profile on the same shapes: the target's pass over 1, 5 and 17 new rows and
+  the draft's one-token step (CUDA events), and where a pass's time goes (device time by op
+  category; "outside_ops": the time the device waits for launches), ``agentspec.bench.passes``.
 - end_to_end: tokens/s of ``generate()``, agentspec without drafts and with a replay drafter of
   acceptance 0.6 / 0.8 / 0.95 (``agentspec.bench.replay``); transformers assisted generation cannot
   take that drafter (see ``assisted_per_pass``), so its cost per pass is compared instead.
@@ -57,6 +60,7 @@ if str(ROOT) not in sys.path:  # run as a file on the GPU machine, from a copy o
     sys.path.insert(0, str(ROOT))
 
 import agentspec  # noqa: E402
+from agentspec.bench import passes  # noqa: E402
 from agentspec.bench.replay import ReplayDrafter, expected_tokens_per_pass  # noqa: E402
 from agentspec.bench.roofline import synchronize  # noqa: E402
 from agentspec.bench.syncs import HostSyncs  # noqa: E402
@@ -493,6 +497,31 @@ def phase_verify_cost(speed: Speed) -> dict[str, Any]:
     }
 
 
+PROFILE_ROWS = [1, 5, 17]  # new rows of the profiled target passes (issue 29)
+PROFILE_PASSES = 3  # passes under the profiler per row count
+
+
+def phase_profile(speed: Speed) -> dict[str, Any]:
+    """The 7B-shaped target's pass over 1, 5 and 17 rows and the 0.5B-shaped draft's one-token step
+    after the speed prompt's length of random cached tokens (median ms, rows interleaved), and
+    each one's profile."""
+    pair, p = speed.pair, speed.plan
+    cache_len = p.prompt_tokens
+    target = passes.pass_times(pair.target, cache_len, PROFILE_ROWS, p.repeats)
+    draft = passes.pass_times(pair.draft, cache_len, [1], p.repeats)[1]
+    profiles = {
+        str(k): passes.profile_passes(pair.target, cache_len, k, PROFILE_PASSES) for k in PROFILE_ROWS
+    }
+    return {
+        "cache_tokens": cache_len,
+        "dtype": str(p.speed_dtype).removeprefix("torch."),
+        "target": {str(k): passes.summary(v) for k, v in target.items()},
+        "draft_step": passes.summary(draft),
+        "target_profile": profiles,
+        "draft_profile": passes.profile_passes(pair.draft, cache_len, 1, PROFILE_PASSES),
+    }
+
+
 # ---- phase (d): end to end -------------------------------------------------------------------
 
 
@@ -890,6 +919,7 @@ def main(argv: list[str] | None = None) -> int:
     report.phase("identity", lambda: phase_identity(plan))
     report.phase("syncs", lambda: phase_syncs(plan))
     report.phase("verify_cost", lambda: phase_verify_cost(speed))
+    report.phase("profile", lambda: phase_profile(speed))
     report.phase("end_to_end", lambda: phase_end_to_end(speed))
     report.phase("prefix_cache", lambda: phase_prefix_cache(speed))
     report.phase("batched", lambda: phase_batched(speed, report))

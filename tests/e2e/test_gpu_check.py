@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ["identity", "syncs", "verify_cost", "end_to_end", "prefix_cache", "batched", "compiled"]
+PHASES = ["identity", "syncs", "verify_cost", "profile", "end_to_end", "prefix_cache", "batched", "compiled"]
 
 
 @pytest.mark.slow
@@ -44,6 +44,9 @@ def test_the_quick_cpu_run_reports_every_phase(tmp_path):
     syncs = phases["syncs"]["rows"]
     assert syncs["none"]["per_pass"] > 0 and syncs["model"]["passes"] > 0
     assert set(phases["verify_cost"]["target_ms"]) == {"1", "2", "3", "4", "5", "8", "16"}
+    profile = phases["profile"]
+    assert set(profile["target"]) == set(profile["target_profile"]) == {"1", "5", "17"}
+    assert "linear" in profile["target_profile"]["1"]["categories_ms"]
     e2e = phases["end_to_end"]["rows"]
     assert all(e2e[f"agentspec replay {a}"]["identical"] for a in (0.6, 0.8, 0.95))
     assert e2e["transformers assisted"]["passes"] > 0

@@ -1,0 +1,298 @@
+"""One pass against the machine's limit and against vLLM, per dtype (issue 29, items 1 and 6).
+
+Run from the repository root, with the machine to itself (about 10 minutes on 2 cores; vLLM's
+start-up is a minute or two per dtype):
+
+    python -m benchmarks.bench_pass [--dtypes float32,bfloat16] [--rows 1,5,17] [--cache-len 400]
+        [--repeats N] [--no-vllm] [--quick] [--out benchmarks/results/pass.json]
+
+In one run, side by side:
+
+1. Memory bandwidth, STREAM-like, with torch's threads: a copy between two 1 GiB float32 tensors
+   (read and written bytes counted) and a read (``sum``) of one (``roofline.read_bandwidth``): far
+   larger than the CPU's caches, as a decode step's weights are.
+2. Per dtype, the embedded target as the library loads it (``load_pair(dtype=..., draft_model=
+   False)``) with ``--cache-len`` random tokens cached: a pass over 1, 5 and 17 new rows
+   (``agentspec.bench.passes.pass_times``: rows interleaved round by round, median of --repeats);
+   and the default draft's one-token step (the EAGLE head: ``roofline.eagle_step_ms``).
+3. Where each pass's time goes: a few passes under ``torch.profiler``, the ops grouped by category
+   (linear, attention, norm, elementwise, kv_cache, other) and "outside_ops", the pass's wall time
+   that no op accounts for (Python); the top ops too (``passes.profile_passes``).
+4. Against the limit: each one-row pass as weight bytes read (``roofline.bytes_per_step``) per
+   second over the measured read bandwidth (issue 29's goal: float32 at least 0.7).
+5. Baselines after the same 400-token prompt (real text), greedy, never stopping early: a decode
+   step of transformers ``generate()`` on the same model, of agentspec's plain decoding
+   (``speculative=False``, no prefix cache) and of vLLM (``benchmarks/vllm_step.py`` in
+   ``.venv-vllm``: the offline engine, no speculation, no prefix caching, its worker bound to as
+   many CPUs as torch has threads here). Each step is (time of 101 new tokens - time of 1) / 100.
+
+Writes JSON (--out; ``goals`` holds the issue's figures) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_core.py
+
+import torch  # noqa: E402
+
+import agentspec  # noqa: E402
+from agentspec.bench import passes, roofline  # noqa: E402
+from agentspec.bench.run import environment  # noqa: E402
+from agentspec.bench.workloads import CODE, SEARCH, WEATHER  # noqa: E402
+from agentspec.drafters.eagle import is_eagle  # noqa: E402
+from agentspec.fleet.vllm import MAX_MODEL_LEN, MEMORY_UTILIZATION, VLLM_PYTHON, cpu_bind  # noqa: E402
+from agentspec.models import ensure_default_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_TOKENS = 400
+GOAL_FRACTION = 0.7  # float32 one-row pass over the read-bandwidth bound
+VLLM_TIMEOUT_S = 900
+
+
+def copy_bandwidth(mib: int, repeats: int) -> dict[str, Any]:
+    """Bytes per second of ``b.copy_(a)`` between two ``mib`` MiB float32 tensors, read plus written."""
+    a = torch.ones(mib << 18, dtype=torch.float32)
+    b = torch.empty_like(a)
+    b.copy_(a)  # touch every page first
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    moved = 2 * a.numel() * a.element_size()
+    median, best = moved / statistics.median(times) / 1e9, moved / min(times) / 1e9
+    return {"bytes": moved, "threads": torch.get_num_threads(), "median_gb_s": median, "best_gb_s": best}
+
+
+def bandwidth(mib: int, repeats: int) -> dict[str, Any]:
+    cpu = torch.device("cpu")
+    return {"copy": copy_bandwidth(mib, repeats), "read": roofline.read_bandwidth(cpu, mib, repeats)}
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    ids = tokenizer((WEATHER + CODE + SEARCH) * 4)["input_ids"]
+    assert len(ids) >= PROMPT_TOKENS, f"{len(ids)=}"
+    return ids[:PROMPT_TOKENS]
+
+
+def step_from_calls(call, n: int, repeats: int) -> dict[str, Any]:
+    """A decode step's ms from ``call(m)`` (seconds of a call making m new tokens): calls of n and of
+    1 alternate (after a warm-up), (median n - median 1) / (n - 1)."""
+    call(2)
+    long, short = [], []
+    for r in range(repeats):
+        for m in (n, 1) if r % 2 else (1, n):
+            (long if m == n else short).append(call(m))
+    return {
+        "step_ms": (statistics.median(long) - statistics.median(short)) / (n - 1) * 1e3,
+        "step_ms_best": (min(long) - min(short)) / (n - 1) * 1e3,
+        "new_tokens": n,
+        "repeats": repeats,
+    }
+
+
+def hf_step(model, ids: list[int], n: int, repeats: int) -> dict[str, Any]:
+    """transformers ``generate()``'s greedy step after ``ids`` (min_new_tokens: it never stops early)."""
+    x = torch.tensor([ids], device=model.device)
+
+    def call(m: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=m, min_new_tokens=m)  # fmt: skip
+        assert out.shape[1] == len(ids) + m, f"{out.shape=}"
+        return time.perf_counter() - t0
+
+    return step_from_calls(call, n, repeats)
+
+
+def agentspec_step(pair, ids: list[int], n: int, repeats: int) -> dict[str, Any]:
+    """agentspec's plain decoding step (no drafts, no prefix cache, no EOS: it never stops early)."""
+
+    def call(m: int) -> float:
+        t0 = time.perf_counter()
+        out = agentspec.generate(pair, ids, None, False, max_new_tokens=m, speculative=False,
+                                 eos_token_ids=frozenset())  # fmt: skip
+        assert len(out.token_ids) == m, f"{len(out.token_ids)=} {m=}"
+        return time.perf_counter() - t0
+
+    return step_from_calls(call, n, repeats)
+
+
+def target_passes(pair, args, read_gb_s: float) -> dict[str, Any]:
+    """The target's pass times per row count, their profiles, and the one-row pass against the bound."""
+    model = pair.target
+    times = passes.pass_times(model, args.cache_len, args.rows, args.repeats)
+    n_bytes = roofline.bytes_per_step(model)
+    one = statistics.median(times[min(args.rows)])
+    return {
+        "bytes_per_step": n_bytes,
+        "passes": {str(k): passes.summary(v) for k, v in times.items()},
+        "ratio_to_1": {str(k): statistics.median(v) / one for k, v in times.items()},
+        "bound_ms": n_bytes / read_gb_s / 1e6,
+        "achieved_gb_s": n_bytes / one / 1e6,
+        "fraction_of_bound": n_bytes / one / 1e6 / read_gb_s,  # 1.0 = at the read-bandwidth floor
+        "profile": {
+            str(k): passes.profile_passes(model, args.cache_len, k, args.profile_passes) for k in args.rows
+        },
+    }
+
+
+def draft_step(dtype: str, args, read_gb_s: float) -> dict[str, Any]:
+    """The default draft's one-token step (an EAGLE head: its layer and its LM-head rows)."""
+    pair = agentspec.load_pair(dtype=dtype)
+    draft = pair.draft
+    if draft is None:
+        return {"status": "no default draft"}
+    if is_eagle(draft):
+        n_bytes = roofline.eagle_bytes_per_step(draft)
+        times = roofline.eagle_step_ms(draft, args.cache_len, args.repeats)
+    else:
+        n_bytes = roofline.bytes_per_step(draft, pair.target)
+        times = passes.pass_times(draft, args.cache_len, [1], args.repeats)[1]
+    ms = statistics.median(times)
+    return {"name": pair.draft_name, "eagle": is_eagle(draft), "bytes_per_step": n_bytes,
+            **passes.summary(times), "fraction_of_bound": n_bytes / ms / 1e6 / read_gb_s}  # fmt: skip
+
+
+def vllm_step(dtype: str, ids: list[int], args) -> dict[str, Any]:
+    """vLLM's decode step in ``dtype`` (``benchmarks/vllm_step.py`` in vLLM's environment), its
+    worker bound to as many CPUs as torch's threads here."""
+    threads = torch.get_num_threads()
+    bind = cpu_bind(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        ids_path, out = Path(tmp) / "ids.json", Path(tmp) / "step.json"
+        ids_path.write_text(json.dumps(ids))
+        command = [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_step.py"), "--model",
+                   str(ensure_default_model()), "--dtype", dtype, "--prompt-ids", str(ids_path),
+                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats_calls),
+                   "--max-model-len", str(MAX_MODEL_LEN), "--memory-utilization",
+                   str(MEMORY_UTILIZATION), "--out", str(out)]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=VLLM_TIMEOUT_S)
+        log = done.stdout + done.stderr
+        if done.returncode != 0 or not out.exists():
+            return {"status": "error", "returncode": done.returncode, "log_tail": log[-3000:]}
+        result = json.loads(out.read_text())
+    bound = [ln.split("core ids=", 1)[1].strip() for ln in log.splitlines() if "core ids=" in ln]
+    return {"status": "ok", "bind": bind, "threads": threads, "worker_core_ids": bound[:1], **result}
+
+
+def run_dtype(dtype: str, args, read_gb_s: float) -> dict[str, Any]:
+    print(f"{dtype}: target passes and profiles ...", flush=True)
+    pair = agentspec.load_pair(dtype=dtype, draft_model=False)
+    ids = prompt_ids(pair.tokenizer)
+    out: dict[str, Any] = {"environment": environment(pair), "target": target_passes(pair, args, read_gb_s)}
+    print(f"{dtype}: generate() and agentspec plain steps ...", flush=True)
+    out["hf_generate"] = hf_step(pair.target, ids, args.new_tokens, args.repeats_calls)
+    out["agentspec_plain"] = agentspec_step(pair, ids, args.new_tokens, args.repeats_calls)
+    del pair
+    print(f"{dtype}: draft step ...", flush=True)
+    out["draft"] = draft_step(dtype, args, read_gb_s)
+    if not args.no_vllm:
+        print(f"{dtype}: vLLM (start-up a minute or two) ...", flush=True)
+        out["vllm"] = vllm_step(dtype, ids, args)
+    return out
+
+
+def goals(result: dict[str, Any]) -> dict[str, Any]:
+    """Issue 29's figures from this run: each one-row step over vLLM's (goal: at most 1.0), and the
+    float32 one-row pass's fraction of the bandwidth bound (goal: at least 0.7)."""
+    out: dict[str, Any] = {}
+    for dtype, r in result["dtypes"].items():
+        vllm = r.get("vllm", {}).get("step_ms")
+        one = r["target"]["passes"][str(min(result["rows"]))]["median_ms"]
+        out[dtype] = {
+            "vllm_step_ms": vllm,
+            "pass_1_ms": one,
+            "agentspec_plain_step_ms": r["agentspec_plain"]["step_ms"],
+            "hf_generate_step_ms": r["hf_generate"]["step_ms"],
+            "agentspec_plain_over_vllm": r["agentspec_plain"]["step_ms"] / vllm if vllm else None,
+            "pass_1_over_vllm": one / vllm if vllm else None,
+            "fraction_of_bound": r["target"]["fraction_of_bound"],
+            "threads": {
+                "agentspec": torch.get_num_threads(),
+                "vllm_worker_cpus": r.get("vllm", {}).get("bind"),
+            },
+        }
+    if "float32" in out:
+        f = out["float32"]["fraction_of_bound"]
+        out["float32_fraction_of_bound"] = {"measured": f, "goal": GOAL_FRACTION, "met": f >= GOAL_FRACTION}
+    return out
+
+
+def table(result: dict[str, Any]) -> None:
+    bw = result["bandwidth"]
+    print(f"bandwidth: copy {bw['copy']['median_gb_s']:.1f} GB/s, read {bw['read']['median_gb_s']:.1f} GB/s")
+    for dtype, r in result["dtypes"].items():
+        t = r["target"]
+        cells = "  ".join(f"{k} rows {p['median_ms']:.1f}" for k, p in t["passes"].items())
+        bound = f"bound {t['bound_ms']:.1f} ms, fraction {t['fraction_of_bound']:.2f}"
+        print(f"{dtype}: pass ms {cells}; {bound}")
+        for k, prof in t["profile"].items():
+            shares = ", ".join(f"{c} {s:.0%}" for c, s in prof["categories_share"].items() if s >= 0.01)
+            print(f"  {k} rows: {shares}")
+        steps = {"generate()": r["hf_generate"], "agentspec plain": r["agentspec_plain"],
+                 "vLLM": r.get("vllm", {})}  # fmt: skip
+        cells = "  ".join(f"{n} {s['step_ms']:.1f}" for n, s in steps.items() if "step_ms" in s)
+        print(f"  decode step ms: {cells}; draft step {r['draft'].get('median_ms', float('nan')):.1f}")
+    print(json.dumps(result["goals"], indent=1))
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--rows", default="1,5,17", help="new rows per pass, comma-separated")
+    ap.add_argument("--cache-len", type=int, default=400)
+    ap.add_argument("--repeats", type=int, default=15, help="rounds of timed passes")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: few repeats, 21 new tokens")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "pass.json")
+    args = ap.parse_args(argv)
+    args.dtypes = args.dtypes.split(",")
+    args.rows = [int(k) for k in args.rows.split(",")]
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+    args.repeats_calls = 1 if args.quick else 3  # rounds of whole calls (decode-step baselines)
+    args.new_tokens = 21 if args.quick else 101
+    args.profile_passes = 2 if args.quick else 5
+    args.bandwidth_repeats = 2 if args.quick else 7
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    print("memory bandwidth ...", flush=True)
+    bw = bandwidth(1024, args.bandwidth_repeats)
+    read_gb_s = bw["read"]["median_gb_s"]
+    result: dict[str, Any] = {
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "rows": args.rows,
+        "prompt_tokens": PROMPT_TOKENS,
+        "bandwidth": bw,
+        "dtypes": {},
+    }
+    for dtype in args.dtypes:
+        result["dtypes"][dtype] = run_dtype(dtype, args, read_gb_s)
+    result["environment"] = result["dtypes"][args.dtypes[0]]["environment"]  # each dtype's has its own
+    result["goals"] = goals(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    table(result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

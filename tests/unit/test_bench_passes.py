@@ -1,0 +1,41 @@
+"""``agentspec.bench.passes``: op categories by name, and a profiled pass on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentspec.bench import passes
+
+
+@pytest.mark.parametrize(
+    ("op", "expected"),
+    [
+        ("aten::linear", "linear"),
+        ("mkldnn::_linear_pointwise", "linear"),  # a prepacked oneDNN linear
+        ("aten::addmm", "linear"),  # not "add": linear is matched first
+        ("aten::scaled_dot_product_attention", "attention"),
+        ("aten::rms_norm", "norm"),
+        ("aten::copy_", "kv_cache"),  # GrowingLayer's in-place append
+        ("aten::cat", "kv_cache"),  # transformers' DynamicLayer append
+        ("aten::_to_copy", "elementwise"),  # a dtype cast, not a cache write
+        ("aten::silu", "elementwise"),
+        ("aten::embedding", "other"),
+        ("aten::slice", "other"),
+    ],
+)
+def test_category_by_op_name(op, expected):
+    assert passes.category(op) == expected
+
+
+def test_a_profiled_pass_splits_its_wall_time(target, one_thread):
+    out = passes.profile_passes(target, cache_len=24, k=3, count=2)
+    cats = out["categories_ms"]
+    assert cats["linear"] > 0 and passes.OUTSIDE in cats
+    # the categories, outside_ops included, add up to the pass's wall time
+    assert sum(cats.values()) == pytest.approx(out["wall_ms_per_pass"], rel=1e-3)
+    assert all(row["category"] == passes.category(row["op"]) for row in out["top_ops"])
+
+
+def test_pass_times_times_every_row_count_each_round(target, one_thread):
+    times = passes.pass_times(target, cache_len=16, rows=[1, 3], repeats=2)
+    assert {k: len(v) for k, v in times.items()} == {1: 2, 3: 2}
