@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 import agentspec
 from agentspec.bench import report, roofline, systems, workloads
 from agentspec.bench.conversation import prompt_ids
+from agentspec.bench.divergence import first_diff
 from agentspec.models import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_WHEEL, cache_home, ensure_default_model
 
 
@@ -103,12 +104,6 @@ def environment(pair) -> dict[str, Any]:
     return env
 
 
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def cache_len(pair, prompts, settings: Settings) -> int:
     """The most tokens one single call holds: the longest prompt and its reply."""
     return max(len(prompt_ids(pair.tokenizer, m)) for _, _, m in prompts) + settings.max_new_tokens
@@ -132,7 +127,7 @@ def single_calls(pair, prompts, names: list[str], settings: Settings, bar) -> li
         ref = runs["transformers generate"][0].tokens
         row = {"name": name, "kind": kind, "prompt_tokens": len(ids), "output_tokens": len(ref), "runs": {}}
         for s, calls in runs.items():
-            diffs = [_first_diff(ref, c.tokens) for c in calls]
+            diffs = [first_diff(ref, c.tokens) for c in calls]
             row["runs"][s] = {
                 "tokens": calls[0].tokens,
                 "seconds": sum(c.seconds for c in calls) / len(calls),
