@@ -108,6 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out=Path(args.out),
         llama_cpp=args.llama_cpp,
         device=args.device,
+        dtype=args.dtype,
         static_compiled=args.static_compiled,
     )
     result = run(settings)
@@ -221,6 +222,8 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     """The ``bench`` verb: agentspec against the baselines on the same work."""
+    from agentspec.bench.run import add_dtype_argument
+
     b = sub.add_parser(
         "bench",
         help="measure agentspec against transformers generate / assisted generation / prompt lookup "
@@ -233,6 +236,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--repeats", type=int, help="decodes per prompt and system (default 1)")
     b.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (needs llama-cpp-python)")
     b.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
+    add_dtype_argument(b)
     b.add_argument(
         "--static-compiled",
         action=argparse.BooleanOptionalAction,

@@ -3,14 +3,17 @@
 Run from the repository root, with a checkout of the earlier commit beside it (``git worktree add``):
 
     OMP_NUM_THREADS=1 python -m benchmarks.before_after --before ../base --after . \
-        [--traces inventory_dock,...] [--configs none,suffix,auto] [--out FILE]
+        [--traces inventory_dock,...] [--configs none,suffix,auto] [--dtype auto|float32|bfloat16] \
+        [--out FILE]
 
 Every job runs once in each checkout, the two one after the other, the order flipping from job to job so that
 the machine's drift hits both alike: one job per recorded agent trace (``bench_agent_traces`` on that trace)
 and one for the agent loop of LangChain chat models (ChatSpecDecode full and baseline, ChatHuggingFace). Each
 run is a fresh process whose working directory is its checkout, so it imports that checkout's code (the
 engine and the LangChain integration both). Writes the per-job seconds and tokens of both checkouts and their
-ratios (before / after: above 1 means faster after).
+ratios (before / after: above 1 means faster after). ``--dtype`` loads both checkouts' pairs in that dtype
+(``auto``: each checkout's own default, which may differ between them); each job records the dtype each side
+ran, and an explicit dtype that a checkout cannot load (its benchmark has no ``--dtype``) stops the run.
 
 It also compares every reply between the two checkouts, job by job: a trace's replies are each turn's plain
 reply (its token ids where both runs wrote them, else its text; within a checkout every configuration must
@@ -44,8 +47,10 @@ LOOP_MODULES = {
 }
 LOOP_RUN = """
 import json, sys
+from agentspec import load_pair
 from {module} import run_agent_loop
-ran = run_agent_loop(loop_max_new_tokens=int(sys.argv[1]))
+pair = load_pair(dtype=sys.argv[2])
+ran = run_agent_loop(pair, loop_max_new_tokens=int(sys.argv[1]))
 rows, summary = ran["loop_rows"], ran["loop"]
 """
 LOOP_IN_CORE = """
@@ -54,7 +59,7 @@ from tqdm.auto import tqdm
 from agentspec import load_pair
 from agentspec.bench import report, run, systems
 from agentspec.bench.conversation import prompt_ids
-pair = load_pair()
+pair = load_pair(dtype=sys.argv[2])
 warm = prompt_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
 for s in ["transformers generate", "agentspec none", "agentspec auto"]:  # the warm-up the loop gets now
     systems.run_single(pair, s, warm, 4, systems.own_drafter(pair, s) if s.startswith("agentspec") else None)
@@ -70,7 +75,7 @@ texts = [
     for s in sorted(row["systems"])
 ]
 replies = {"text": texts} if all(t is not None for _, t in texts) else None
-print(json.dumps({"loop": summary, "replies": replies}))
+print(json.dumps({"loop": summary, "replies": replies, "dtype": str(pair.dtype)}))
 """
 
 
@@ -99,11 +104,32 @@ def is_after(tree: Path) -> bool:
     return (tree / "benchmarks" / "__init__.py").exists()
 
 
-def traces_job(tree: Path, trace: str, configs: str, out: Path) -> list[str]:
+def traces_script(tree: Path) -> list[str]:
+    """The command that runs the checkout's agent-trace benchmark."""
     script = (
         ["-m", "benchmarks.bench_agent_traces"] if is_after(tree) else ["benchmarks/bench_agent_traces.py"]
     )
-    return [sys.executable, *script, "--traces", trace, "--configs", configs, "--out", str(out)]
+    return [sys.executable, *script]
+
+
+def takes_dtype(tree: Path) -> bool:
+    """Whether the checkout's agent-trace benchmark has ``--dtype`` (one from before it loads its default)."""
+    return "--dtype" in run_in(tree, [*traces_script(tree), "--help"])[1]
+
+
+def traces_job(tree: Path, trace: str, configs: str, dtype: str | None, out: Path) -> list[str]:
+    """One trace's run in the checkout; ``dtype`` None: the checkout's benchmark takes none."""
+    argv = [*traces_script(tree), "--traces", trace, "--configs", configs, "--out", str(out)]
+    return argv if dtype is None else [*argv, "--dtype", dtype]
+
+
+def check_dtype(asked: str, side: str, ran: str | None) -> None:
+    """Stop a run that asked for a dtype (not ``auto``) that a checkout did not run in."""
+    if asked != "auto" and ran != f"torch.{asked}":
+        raise RuntimeError(
+            f"--dtype {asked}: the {side} checkout ran in {ran} (its benchmark takes no --dtype: it loads "
+            "its own default)"
+        )
 
 
 def run_in(tree: Path, argv: list[str]) -> tuple[float, str]:
@@ -123,6 +149,7 @@ def trace_figures(path: Path) -> dict[str, Any]:
     data = json.loads(path.read_text())
     return {
         "all_identical": data["all_identical"],
+        "dtype": data.get("environment", {}).get("dtype"),
         "configs": {
             c: {k: agg[k] for k in ("tokens", "seconds", "tokens_per_s", "speed_ratio")}
             for c, agg in data["aggregate"].items()
@@ -177,14 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop-max-new-tokens", type=int, default=16)
     ap.add_argument("--loop-rounds", type=int, default=1, help="agent-loop jobs, the order flipping each")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/before_after.json"))
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),  # agentspec.bench.run.DTYPES, without importing torch here
+        default="auto",
+        help="both checkouts' pairs in this dtype (default auto: each checkout's own default)",
+    )
     args = ap.parse_args(argv)
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     result: dict[str, Any] = {
         "commits": {side: environment_of(tree) for side, tree in trees.items()},
         "configs": args.configs,
+        "dtype": args.dtype,  # as asked; each job's sides record the dtype they ran in
         "traces": {},
     }
     tmp = Path(tempfile.mkdtemp(prefix="before_after_"))
+    dtypes = {side: args.dtype if takes_dtype(tree) else None for side, tree in trees.items()}
     jobs = [("trace", t) for t in args.traces.split(",") if t]
     jobs += [("loop", f"agent_loop_{r}" if r else "agent_loop") for r in range(args.loop_rounds)]
     for j, (kind, name) in enumerate(jobs):
@@ -195,13 +230,15 @@ def main(argv: list[str] | None = None) -> int:
             tree = trees[side]
             if kind == "trace":
                 out = tmp / f"{side}_{name}.json"
-                seconds, _ = run_in(tree, traces_job(tree, name, args.configs, out))
+                seconds, _ = run_in(tree, traces_job(tree, name, args.configs, dtypes[side], out))
                 figures = trace_figures(out)
             else:
                 code = loop_code(tree)
-                seconds, stdout = run_in(tree, [sys.executable, "-c", code, str(args.loop_max_new_tokens)])
+                argv = [sys.executable, "-c", code, str(args.loop_max_new_tokens), args.dtype]
+                seconds, stdout = run_in(tree, argv)
                 printed = json.loads(stdout.strip().splitlines()[-1])
-                figures = {**printed["loop"], "replies": printed["replies"]}
+                figures = {**printed["loop"], "replies": printed["replies"], "dtype": printed["dtype"]}
+            check_dtype(args.dtype, side, figures["dtype"])
             replies[side] = figures.pop("replies")  # compared below, not kept whole
             row[side] = {"process_s": seconds, **figures}
             print(f"{name} {side}: {seconds:.0f} s", flush=True)

@@ -2,7 +2,8 @@
 
 Run from the repository root (about 11 minutes on 2 shared CPU cores, one thread):
 
-    OMP_NUM_THREADS=1 python -m benchmarks.bench_agent_traces [--max-new-tokens 48] [--traces a,b]
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_agent_traces [--max-new-tokens 48] [--traces a,b] \
+        [--dtype auto|float32|bfloat16]
 
 Replays the conversations of ``agent_traces.py`` (inventory x2, SQL analytics, code editing,
 document Q&A: 22 assistant turns over 300-1,100-token prompts) with the embedded pair, greedily.
@@ -55,7 +56,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_core.py
 import torch  # noqa: E402
 
 import agentspec  # noqa: E402
-from agentspec.bench.run import environment  # noqa: E402
+from agentspec.bench.run import add_dtype_argument, environment  # noqa: E402
 from agentspec.drafters import DraftMemory, HybridDrafter, build_drafter  # noqa: E402
 from agentspec.models import ModelPair  # noqa: E402
 from benchmarks.agent_traces import TRACES, calls  # noqa: E402
@@ -200,13 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", default=None, help="comma-separated trace names (default: all)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/agent_traces.json")
+    add_dtype_argument(ap)
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     assert configs[0] == "none", "the first configuration must be the plain baseline"
     traces = [t for t in TRACES if args.traces is None or t.name in args.traces.split(",")]
     t_start = time.perf_counter()
 
-    base = agentspec.load_pair()
+    base = agentspec.load_pair(dtype=args.dtype)  # environment["dtype"] records what it resolved to
     if args.draft_layers > 0 or base.draft is None:
         draft = layer_skip_draft(base.target, args.draft_layers or 4)
         kind = f"layer-skip self-draft: embeddings + first {args.draft_layers or 4} layers + norm + LM head"

@@ -3,7 +3,7 @@
 Run from the repository root:
 
     python -m benchmarks.bench_langchain_loop [--out benchmarks/results/bench_agent_loop] \
-        [--full | --loop-max-new-tokens 16] [--device cpu]
+        [--full | --loop-max-new-tokens 16] [--device cpu] [--dtype auto|float32|bfloat16]
 
 The work is the core's ``agentspec.bench.workloads.agent_loop``: 8 tool-calling calls over a growing
 ~1,200-token prefix, OpenAI-format messages converted here to LangChain's. Each call's systems run
@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 
 import agentspec
 from agentspec.bench import report, workloads
+from agentspec.bench.run import add_dtype_argument, warm_up
 from agentspec.bench.run import environment as core_environment
-from agentspec.bench.run import warm_up
 from langchain_agentspec import ChatSpecDecode
 
 DEFAULT_OUT = Path("benchmarks/results/bench_agent_loop")
@@ -146,10 +146,12 @@ def goals(loop: dict[str, Any]) -> list[dict[str, Any]]:
     return report.goal_rows(GOALS, {"loop_vs_chat_huggingface": vs_hf.get("agentspec full")})
 
 
-def run_agent_loop(pair=None, loop_max_new_tokens: int = 16, device: str | None = None) -> dict[str, Any]:
-    """The agent loop on ``pair`` (default: ``agentspec.load_pair(device=device)``) after an untimed
-    warm-up of the code paths it takes: ``{"loop": summary, "loop_rows": per call, "goals": ...}``."""
-    pair = pair if pair is not None else agentspec.load_pair(device=device)
+def run_agent_loop(
+    pair=None, loop_max_new_tokens: int = 16, device: str | None = None, dtype: str = "auto"
+) -> dict[str, Any]:
+    """The agent loop on ``pair`` (default: ``agentspec.load_pair(device=device, dtype=dtype)``) after an
+    untimed warm-up of the code paths it takes: ``{"loop": summary, "loop_rows": per call, "goals": ...}``."""
+    pair = pair if pair is not None else agentspec.load_pair(device=device, dtype=dtype)
     # generate() is what ChatHuggingFace's pipeline runs; the full and baseline models decode with
     # the auto drafter and without one
     warm_up(pair, ["transformers generate", "agentspec none", "agentspec auto"])
@@ -219,12 +221,15 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     return report.finish_plot(fig, ax, title, "call in the agent loop", "seconds", path)
 
 
-def run(out: Path = DEFAULT_OUT, loop_max_new_tokens: int = 16, device: str | None = None) -> dict[str, Any]:
-    """``run_agent_loop`` on a freshly loaded pair, written to ``<out>.json``, ``.md`` and ``.png``."""
+def run(
+    out: Path = DEFAULT_OUT, loop_max_new_tokens: int = 16, device: str | None = None, dtype: str = "auto"
+) -> dict[str, Any]:
+    """``run_agent_loop`` on a freshly loaded pair, written to ``<out>.json``, ``.md`` and ``.png``
+    (``environment["dtype"]``: the dtype ``dtype`` resolved to)."""
     t_start = time.perf_counter()
-    pair = agentspec.load_pair(device=device)
+    pair = agentspec.load_pair(device=device, dtype=dtype)
     env = environment(pair)
-    settings = {"loop_max_new_tokens": loop_max_new_tokens, "out": str(out), "device": device}
+    settings = {"loop_max_new_tokens": loop_max_new_tokens, "out": str(out), "device": device, "dtype": dtype}
     result = {"settings": settings, "environment": env, **run_agent_loop(pair, loop_max_new_tokens)}
     result["wall_s"] = time.perf_counter() - t_start
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -240,9 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="longer replies (48 new tokens a call)")
     parser.add_argument("--loop-max-new-tokens", type=int, help="per call (quick 16, full 48)")
     parser.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
+    add_dtype_argument(parser)
     args = parser.parse_args(argv)
     n = args.loop_max_new_tokens or LOOP_MAX_NEW_TOKENS["full" if args.full else "quick"]
-    result = run(args.out, n, args.device)
+    result = run(args.out, n, args.device, args.dtype)
     print(args.out.with_suffix(".md").read_text())
     print("wrote", args.out.with_suffix(".json"), *result["plots"])
     return 0 if result["loop"]["full_equals_baseline"] else 1

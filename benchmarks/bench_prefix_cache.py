@@ -1,7 +1,8 @@
 """Prefix cache on vs off on a multi-turn agent conversation, in one run.
 
     python -m benchmarks.bench_prefix_cache [--conversation tools|text] [--max-tokens 48] \
-        [--repeats 3] [--threads N] [--out benchmarks/results/prefix_cache.json]
+        [--repeats 3] [--threads N] [--dtype auto|float32|bfloat16] \
+        [--out benchmarks/results/prefix_cache.json]
 
 Replays the scripted conversation of ``agentspec/bench/conversation.py`` (8 calls over an inventory
 agent's system prompt) with the embedded pair. ``tools`` (the default) binds the tools as an agent
@@ -38,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import agentspec
 from agentspec.bench import conversation as convo
+from agentspec.bench.run import add_dtype_argument
 from agentspec.chat.request import prepare
 from agentspec.chat.tool_calls import parse_reply
 from agentspec.config import GenerationConfig
@@ -155,8 +157,8 @@ def restore_memory(pair, ids: list[int]) -> dict:
     return out
 
 
-def run(max_tokens: int, drafter: str, kind: str, repeats: int) -> dict:
-    pair = agentspec.load_pair(draft_model=False)  # as in the committed results: no draft model
+def run(max_tokens: int, drafter: str, kind: str, repeats: int, dtype: str = "auto") -> dict:
+    pair = agentspec.load_pair(draft_model=False, dtype=dtype)  # as in the committed results: no draft model
     tok = pair.tokenizer
     agentspec.generate(
         pair, convo.prompt_ids(tok, [{"role": "user", "content": "hi"}]), max_new_tokens=2, prefix_cache=False
@@ -207,6 +209,7 @@ def run(max_tokens: int, drafter: str, kind: str, repeats: int) -> dict:
         },
         "environment": {
             "cpu": platform.processor() or platform.machine(),
+            "dtype": str(pair.dtype),
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -242,10 +245,11 @@ def main() -> None:
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--out", default="benchmarks/results/prefix_cache.json")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_dtype_argument(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args.max_tokens, args.drafter, args.conversation, args.repeats)
+    result = run(args.max_tokens, args.drafter, args.conversation, args.repeats, args.dtype)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -61,6 +61,7 @@ if str(ROOT) not in sys.path:  # run as a file on the GPU machine, from a copy o
 
 import agentspec  # noqa: E402
 from agentspec.bench import passes  # noqa: E402
+from agentspec.bench.divergence import first_diff, logit_margin  # noqa: E402
 from agentspec.bench.replay import ReplayDrafter, expected_tokens_per_pass  # noqa: E402
 from agentspec.bench.roofline import synchronize  # noqa: E402
 from agentspec.bench.syncs import HostSyncs  # noqa: E402
@@ -322,20 +323,6 @@ def speculate(pair, ids: list[int], name: str, n: int, cache=False, drafter=None
         )
     )
     return [t for s in steps for t in s.tokens], steps
-
-
-def logit_margin(model, ids: list[int]) -> float:
-    """top1 - top2 of ``model``'s logits for the token after ``ids``."""
-    with torch.inference_mode():
-        logits = model(torch.tensor([ids], device=model.device), logits_to_keep=1).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
-
-
-def first_diff(a: list[int], b: list[int]) -> int | None:
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b))
-    )
 
 
 # ---- phase (a): identity ---------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Run it (a few minutes on 2 CPU cores; the embedded model is fetched on first use):
 
-    .venv/bin/python examples/agent_demo.py [--tasks 6] [--threads 1] [--json results.json]
-        [--otlp-endpoint http://127.0.0.1:6006]
+    .venv/bin/python examples/agent_demo.py [--tasks 6] [--threads 1] [--dtype auto|float32|bfloat16]
+        [--json results.json] [--otlp-endpoint http://127.0.0.1:6006]
 
 A ``langchain.agents.create_agent`` agent answers a maintainer's questions about a software project,
 Harbor, on the embedded SmolLM2-135M-Instruct. It has two real tools (they read a release log and an
@@ -327,6 +327,12 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         help="torch CPU threads (default 1: batch-1 decoding of a 135M model gains little from more, "
         "and on a busy machine two threads spin against each other and time both runs badly)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the pair's weights and activations (default auto: load_pair's default for the device)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures printed here to PATH")
     parser.add_argument(
         "--otlp-endpoint",
@@ -341,10 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     torch.set_num_threads(args.threads)
     tasks = TASKS[: args.tasks]
-    pair = agentspec.load_pair()  # both agents share these weights
-    print(
-        f"model: {pair.name} on {pair.device}, {len(tasks)} question(s), replies capped at {args.max_tokens}"
-    )
+    t_load = time.perf_counter()
+    pair = agentspec.load_pair(dtype=args.dtype)  # both agents share these weights
+    load_s = time.perf_counter() - t_load
+    print(f"loaded {pair.name} in {load_s:.1f} s ({pair.dtype}, {pair.device})")
+    print(f"{len(tasks)} question(s), replies capped at {args.max_tokens}")
     provider, memory = tracing(args.otlp_endpoint)
     calibrate(pair)  # fit the latency-saved estimate up front (tracing alone starts from a prior)
     # first-call costs
@@ -390,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         figures = {
             "model": pair.name,
             "device": str(pair.device),
+            "dtype": str(pair.dtype),
+            "load_s": round(load_s, 3),  # load_pair's wall seconds
             "threads": args.threads,
             "questions": [q for q, _ in tasks],
             "answers": [describe(s.get("structured_response")) for s in states],

@@ -15,6 +15,7 @@ dependency; ``make bench`` runs both.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,22 @@ from tqdm.auto import tqdm
 import agentspec
 from agentspec.bench import report, roofline, systems, workloads
 from agentspec.bench.conversation import prompt_ids
+from agentspec.bench.divergence import first_diff
 from agentspec.models import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_WHEEL, cache_home, ensure_default_model
+
+DTYPES = ("auto", "float32", "bfloat16")  # --dtype's choices
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``, as ``agentspec bench``, the agent benchmarks and the demo take it: ``auto`` passes
+    through to ``load_pair``, so a run measures the dtype a user of this machine gets."""
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights and activations: float32, bfloat16 or auto (default: load_pair's for the device); "
+        "the results record the dtype used",
+    )
 
 
 @dataclass
@@ -43,20 +59,13 @@ class Settings:
     out: Path = Path("benchmarks/results/bench")
     llama_cpp: bool = False
     device: str | None = None
+    dtype: str = "auto"  # float32, bfloat16 or auto (load_pair's default for the device)
     # the "transformers static compiled" row (systems.StaticCompiled); None: on where the pair is on CUDA
     static_compiled: bool | None = None
 
     def resolved(self) -> Settings:
         quick = self.mode == "quick"
-        return Settings(
-            self.mode,
-            self.max_new_tokens or (24 if quick else 96),
-            self.repeats,
-            Path(self.out),
-            self.llama_cpp,
-            self.device,
-            self.static_compiled,
-        )
+        return replace(self, max_new_tokens=self.max_new_tokens or (24 if quick else 96), out=Path(self.out))
 
 
 def environment(pair) -> dict[str, Any]:
@@ -103,12 +112,6 @@ def environment(pair) -> dict[str, Any]:
     return env
 
 
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def cache_len(pair, prompts, settings: Settings) -> int:
     """The most tokens one single call holds: the longest prompt and its reply."""
     return max(len(prompt_ids(pair.tokenizer, m)) for _, _, m in prompts) + settings.max_new_tokens
@@ -132,7 +135,7 @@ def single_calls(pair, prompts, names: list[str], settings: Settings, bar) -> li
         ref = runs["transformers generate"][0].tokens
         row = {"name": name, "kind": kind, "prompt_tokens": len(ids), "output_tokens": len(ref), "runs": {}}
         for s, calls in runs.items():
-            diffs = [_first_diff(ref, c.tokens) for c in calls]
+            diffs = [first_diff(ref, c.tokens) for c in calls]
             row["runs"][s] = {
                 "tokens": calls[0].tokens,
                 "seconds": sum(c.seconds for c in calls) / len(calls),
@@ -202,7 +205,7 @@ def warm_up(pair, names: list[str], size: int | None = None) -> None:
 def run(settings: Settings) -> dict[str, Any]:
     settings = settings.resolved()
     t_start = time.perf_counter()
-    pair = agentspec.load_pair(device=settings.device)
+    pair = agentspec.load_pair(device=settings.device, dtype=settings.dtype)
     env = environment(pair)
     prompts = [p for p in workloads.PROMPTS if settings.mode == "full" or p[0] in workloads.QUICK_PROMPTS]
     static = settings.static_compiled if settings.static_compiled is not None else pair.device.type == "cuda"

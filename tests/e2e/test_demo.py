@@ -57,10 +57,14 @@ def test_no_answer_or_an_unknown_record_is_wrong():
 
 
 @pytest.mark.model
-def test_the_demo_answers_right_and_both_runs_reply_the_same(tmp_path):
+def test_the_demo_answers_right_and_both_runs_reply_the_same(tmp_path, capsys):
     out = tmp_path / "demo.json"
     assert demo.main(["--tasks", "2", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
+    # the load time is printed before the agents run, and written with the dtype it resolved to
+    printed = capsys.readouterr().out
+    assert f"in {figures['load_s']:.1f} s ({figures['dtype']}, " in printed.split("ChatSpecDecode()")[0]
+    assert figures["dtype"] in ("torch.float32", "torch.bfloat16"), figures["dtype"]
     assert figures["right"] == 2 and figures["same_replies"] is True, figures
     assert figures["answers"][0] == "v2.3.1 was released on 2025-01-20."
     calls = figures["calls"]

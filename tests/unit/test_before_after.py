@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from benchmarks.before_after import all_replies_identical, compare_replies, trace_replies
+from pathlib import Path
+
+import pytest
+
+from benchmarks.before_after import (
+    all_replies_identical,
+    check_dtype,
+    compare_replies,
+    trace_replies,
+    traces_job,
+)
 
 
 def _turns(*texts: str, ids: bool = True) -> list[dict]:
@@ -48,3 +58,13 @@ def test_the_summary_is_false_on_any_difference_else_null_on_any_unknown():
     assert all_replies_identical(jobs) is False
     assert all_replies_identical(jobs[:2]) is None
     assert all_replies_identical(jobs[:1]) is True
+
+
+def test_dtype_is_passed_where_the_checkout_takes_it_and_a_run_in_another_stops(tmp_path):
+    out = tmp_path / "o.json"
+    assert "--dtype" not in traces_job(Path("."), "t", "none", None, out)  # a checkout from before --dtype
+    assert traces_job(Path("."), "t", "none", "bfloat16", out)[-2:] == ["--dtype", "bfloat16"]
+    check_dtype("auto", "before", "torch.float32")  # auto: each checkout's own default
+    check_dtype("float32", "before", "torch.float32")
+    with pytest.raises(RuntimeError, match="the before checkout ran in torch.float32"):
+        check_dtype("bfloat16", "before", "torch.float32")
