@@ -205,6 +205,11 @@ class GrammarCompiler:
                 self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=1)
             return self._compiler
 
+    def prepare(self) -> None:
+        """Read the vocabulary now (``agentspec.warm``'s thread at load), not in the first
+        constrained call; a compile meanwhile waits for it."""
+        self._xgrammar()
+
     def _tokenizer_info(self):
         try:
             return xgr.TokenizerInfo.from_huggingface(

@@ -11,6 +11,7 @@ reads back once, with its own result). Their positions are ``unread`` until ``se
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
@@ -23,10 +24,13 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 # A CPU pass over 2..FEW_ROWS new tokens computes its large float32 linears weight-first
-# (``WeightFirst``): those whose weight holds at least MIN_WEIGHT_BYTES (more than CPU caches hold).
+# (``PassLinears``): those whose weight holds at least MIN_WEIGHT_BYTES (more than CPU caches hold).
 FEW_ROWS = 64
 MIN_WEIGHT_BYTES = 16 << 20
 WEIGHT_FIRST_DTYPES = {torch.float32}
+# bfloat16 CPU linears get a prepacked oneDNN copy of their weight while the copies take at most this
+# share of the host's available memory at load (``PassLinears``)
+PACKED_MEMORY_SHARE = 0.25
 
 
 def final_norm(model) -> torch.nn.Module:
@@ -85,36 +89,44 @@ def batching(batcher: Batcher) -> Iterator[None]:
         _BATCHER.reset(token)
 
 
-# Set by ModelState.forward around a pass of 2..FEW_ROWS new tokens, in its own thread (and task) only
-_FEW_ROWS_PASS: ContextVar[bool] = ContextVar("agentspec_few_rows_pass", default=False)
+# The new rows of this thread's agentspec pass (set by ModelState.forward and the packed pass, in
+# their own thread and task only); 0 outside one
+_PASS_ROWS: ContextVar[int] = ContextVar("agentspec_pass_rows", default=0)
 
 
-def _pass_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward``, except inside an agentspec pass of a few rows on a CPU float32 weight."""
-    w = linear.weight
+def _pass_forward(linear: torch.nn.Linear, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward``, except inside an agentspec pass (``PassLinears``)."""
     # a compiled step (``agentspec.static_kv``) keeps F.linear: a ContextVar read breaks its graph
-    few = not torch.compiler.is_compiling() and _FEW_ROWS_PASS.get()
-    if few and w.device.type == "cpu" and w.dtype in WEIGHT_FIRST_DTYPES:
+    rows = 0 if torch.compiler.is_compiling() else _PASS_ROWS.get()
+    if rows and packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")
+    if 2 <= rows <= FEW_ROWS and packed is None:
         return _weight_first(linear, x)
-    return torch.nn.functional.linear(x, w, linear.bias)
+    return torch.nn.functional.linear(x, linear.weight, linear.bias)
 
 
-class WeightFirst:
-    """The large float32 CPU linears of a pair's models, which compute few-row passes weight-first.
+class PassLinears:
+    """The CPU linears of a pair's models, computed in agentspec's own passes the way this CPU runs
+    them fastest; every other caller gets ``F.linear``, exactly ``nn.Linear``'s own.
 
-    ``F.linear`` computes ``x @ W.T``. On a CPU, in float32, for a few rows against a weight larger
-    than the caches (an LM head; every projection of a 7B model), that kernel runs 2-4x slower than
-    for one row, while ``W @ x.T`` costs little more than one row (``benchmarks/bench_verify_cost.py``;
-    in bfloat16 it does not pay, so those are left alone). A verify pass has 2-17 rows, so this is
-    much of its extra cost. Same product, another summation order; one-row passes (plain decoding)
-    and prefills keep ``F.linear``.
+    - **float32, weight-first**: ``F.linear`` computes ``x @ W.T``. On a CPU, for a few rows against
+      a weight larger than the caches (an LM head; every projection of a 7B model), that kernel runs
+      2-4x slower than for one row, while ``W @ x.T`` costs little more than one row
+      (``benchmarks/bench_verify_cost.py``). A verify pass has 2-17 rows, so this is much of its extra
+      cost. Same product, another summation order; one-row passes (plain decoding) and prefills keep
+      ``F.linear``. Linears whose weight holds at least MIN_WEIGHT_BYTES.
+    - **bfloat16, prepacked**: ``F.linear`` in bfloat16 hands oneDNN the weight in its plain layout on
+      every call; oneDNN's own blocked layout, made once here (``mkldnn._reorder_linear_weight``, as
+      torch.compile's CPU backend does when it freezes weights), computes the same product with the
+      CPU's bf16 instructions at 1.1-1.6x the speed over 1-17 rows (``benchmarks/bench_pass.py``).
+      The packed copy doubles those weights' memory, so it is made only while the copies fit in
+      PACKED_MEMORY_SHARE of the host's available memory (a 7B model's 14 GB mostly would not).
 
-    Decided once, when the pair is built: each ``nn.Linear`` whose weight holds at least
-    MIN_WEIGHT_BYTES gets an instance ``forward`` that is ``F.linear`` (exactly ``nn.Linear``'s own)
-    unless its thread is inside ``ModelState.forward`` over 2..FEW_ROWS new tokens. So any other
-    caller (transformers' ``generate()``, another thread, a user's own code) gets the numbers it
-    got before, even while a verify pass runs on the same model; what is left in a model passed in
-    is that instance attribute. PyTorch has no switch for the product order, and a
+    Decided once, when the pair is built: each plain ``nn.Linear`` taking a path gets an instance
+    ``forward`` that is ``F.linear`` unless its thread is inside an agentspec pass (``pass_rows``). So
+    any other caller (transformers' ``generate()``, another thread, a user's own code) gets the numbers
+    it got before, even while a pass runs on the same model; what is left in a model passed in is that
+    instance attribute. PyTorch has no switch for the product order or layout, and a
     ``TorchFunctionMode`` doing this costs more in Python dispatch than it saves. A module with an
     instance ``forward`` already (accelerate's hooks, or this one from an earlier pair of the same
     model) keeps it; a linear put into a model later keeps ``F.linear`` (only speed is lost).
@@ -122,28 +134,70 @@ class WeightFirst:
 
     def __init__(self, *models: torch.nn.Module):
         self.linears: list[torch.nn.Linear] = []  # those given the forward here
+        self.packed_bytes = 0  # held by the prepacked copies
+        budget = _available_memory() * PACKED_MEMORY_SHARE
         for model in models:
             for m in model.modules():
-                if type(m) is torch.nn.Linear and "forward" not in vars(m) and _large(m):
-                    m.forward = partial(_pass_forward, m)
-                    self.linears.append(m)
+                if type(m) is not torch.nn.Linear or "forward" in vars(m):
+                    continue
+                if _large(m):
+                    m.forward = partial(_pass_forward, m, None)
+                elif _packable(m) and self.packed_bytes + _nbytes(m.weight) <= budget:
+                    m.forward = partial(_pass_forward, m, _pack(m.weight))
+                    self.packed_bytes += _nbytes(m.weight)
+                else:
+                    continue
+                self.linears.append(m)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _large(linear: torch.nn.Linear) -> bool:
     w = linear.weight
-    big = w.numel() * w.element_size() >= MIN_WEIGHT_BYTES
-    return big and w.device.type == "cpu" and w.dtype in WEIGHT_FIRST_DTYPES
+    return _nbytes(w) >= MIN_WEIGHT_BYTES and w.device.type == "cpu" and w.dtype in WEIGHT_FIRST_DTYPES
+
+
+def _packable(linear: torch.nn.Linear) -> bool:
+    """A bfloat16 CPU linear, on a CPU with bf16 instructions (oneDNN would emulate them elsewhere)."""
+    w = linear.weight
+    return w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu_has_bf16()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX-512 BF16; AMX CPUs have them too). torch
+    exposes it only privately, as torch.compile's CPU backend reads it."""
+    return torch.cpu._is_avx512_bf16_supported()
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout for a linear (a copy; 1: the rows a pass usually has)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def _available_memory() -> int:
+    """Bytes of host memory available now (Linux's MemAvailable; total physical memory elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @contextmanager
-def few_rows_pass(rows: int) -> Iterator[None]:
-    """Within the block, this thread's passes over ``rows`` new tokens run ``WeightFirst`` linears
-    weight-first (when 2 <= rows <= FEW_ROWS)."""
-    token = _FEW_ROWS_PASS.set(2 <= rows <= FEW_ROWS)
+def pass_rows(rows: int) -> Iterator[None]:
+    """Within the block, this thread runs an agentspec pass over ``rows`` new tokens: its
+    ``PassLinears`` take their pass paths."""
+    token = _PASS_ROWS.set(rows)
     try:
         yield
     finally:
-        _FEW_ROWS_PASS.reset(token)
+        _PASS_ROWS.reset(token)
 
 
 def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
@@ -358,7 +412,7 @@ class ModelState:
         held = len(self.ids) + self.unread
         try:
             with ExitStack() as stack:
-                stack.enter_context(few_rows_pass(len(new)))
+                stack.enter_context(pass_rows(len(new)))
                 captured = stack.enter_context(final_hidden(self.model)) if hidden else None
                 out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep)
         except BaseException:

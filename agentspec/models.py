@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 
+from agentspec import warm
 from agentspec.attention import use_grouped_sdpa
 from agentspec.cost import PairCost
 from agentspec.drafters.eagle import is_eagle
 from agentspec.drafters.tenants import TenantStore
 from agentspec.grammar import GrammarCompiler
-from agentspec.kv import WeightFirst
+from agentspec.kv import PassLinears
 from agentspec.scheduler import PREFILL_CHUNK, PREFILL_CHUNKS, Scheduler
 from agentspec.static_kv import StaticState
 
@@ -198,9 +199,10 @@ class ModelPair:
     """A loaded target, an optional draft model of the same tokenizer, and that tokenizer.
 
     ``key`` names everything that changes the KV state (model sources, dtype, device); the prefix
-    cache namespaces its entries by it. Building a pair gives its large float32 CPU linears the
-    weight-first forward of ``agentspec.kv.WeightFirst``, which outside agentspec's own passes is
-    ``F.linear``: a model passed in gives its other callers (``generate()``) the same numbers.
+    cache namespaces its entries by it. Building a pair gives its CPU linears the pass paths of
+    ``agentspec.kv.PassLinears`` (float32 weight-first, bfloat16 prepacked), which outside agentspec's
+    own passes are ``F.linear``: a model passed in gives its other callers (``generate()``) the same
+    numbers.
     """
 
     target: Any
@@ -229,9 +231,9 @@ class ModelPair:
     scheduler: Scheduler = field(init=False, repr=False, compare=False)
 
     # built with the pair, not passed in:
-    # the large linears of target and draft that compute verify passes weight-first, found once
-    # here (agentspec.kv.WeightFirst)
-    weight_first: WeightFirst = field(init=False, repr=False, compare=False)
+    # the CPU linears of target and draft that compute agentspec's passes another way (weight-first,
+    # prepacked), found once here (agentspec.kv.PassLinears)
+    pass_linears: PassLinears = field(init=False, repr=False, compare=False)
     # the tokenizer's grammar compiler, built on first use (``grammar_compiler``)
     _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False, compare=False)
     # the draft model's StaticState for a static draft cache (``draft_state``), built on first use
@@ -241,7 +243,7 @@ class ModelPair:
     )
 
     def __post_init__(self) -> None:
-        self.weight_first = WeightFirst(*(m for m in (self.target, self.draft) if m is not None))
+        self.pass_linears = PassLinears(*(m for m in (self.target, self.draft) if m is not None))
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)
@@ -364,6 +366,7 @@ def load_pair(
     prefix_cache_bytes: int | None = None,
     prefix_cache_host_bytes: int | None = None,
     draft_cache: str = "dynamic",
+    warm_up: bool = True,
 ) -> ModelPair:
     """Load a target model and an optional draft model that shares its tokenizer.
 
@@ -377,7 +380,8 @@ def load_pair(
     ``prefix_cache_bytes`` is the device byte budget of the pair's cross-call prefix cache (default:
     ``agentspec.cache.default_budget``), ``prefix_cache_host_bytes`` that of its host tier (default:
     ``agentspec.cache.default_host_budget``: none on a CPU). ``draft_cache`` is the draft model's
-    KV cache (``ModelPair.draft_cache``): "dynamic", "static" or "compiled".
+    KV cache (``ModelPair.draft_cache``): "dynamic", "static" or "compiled". ``warm_up`` runs each
+    kind of pass once before returning (``agentspec.warm``), so the first call is as fast as later ones.
     """
     dev = torch.device(device) if device is not None else default_device()
     dt = _resolve_dtype(dtype, dev)
@@ -402,7 +406,7 @@ def load_pair(
 
     key = (name, draft_name, str(dt), str(dev))
     cache = PrefixCache(prefix_cache_bytes, device=dev, host_bytes=prefix_cache_host_bytes)
-    return ModelPair(
+    pair = ModelPair(
         target=target,
         tokenizer=tok,
         draft=draft,
@@ -412,3 +416,6 @@ def load_pair(
         prefix_cache=cache,
         draft_cache=draft_cache,
     )
+    if warm_up:
+        log.info("warmed up %s in %.2f s", name, warm.warm_up(pair))
+    return pair

@@ -10,7 +10,7 @@ attention of that sequence's queries over its own keys, with the mask a solo pas
 
 Batch invariance: attention per sequence is exactly a solo pass's (same kernel, same shapes). The
 linears are row-wise, but their kernels may pick another summation order for another row count
-(``agentspec.kv.WeightFirst`` below 65 rows, the BLAS kernel's blocking above): a sequence's logits in
+(``agentspec.kv.PassLinears`` below 65 rows, the BLAS kernel's blocking above): a sequence's logits in
 a packed pass can differ from its solo pass's in the last bits, as a verify pass's differ from a
 one-token step's. The lossless tests compare tokens and report the logit margin where they differ.
 
@@ -33,7 +33,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from agentspec.attention import NAME, grouped_sdpa_forward
-from agentspec.kv import ModelState, PassIds, few_rows_pass, final_hidden
+from agentspec.kv import ModelState, PassIds, final_hidden, pass_rows
 
 
 def packable(state: ModelState) -> bool:
@@ -116,7 +116,7 @@ def forward_packed(
     pack = PackedPass(states, held, lengths, device)
     try:
         with ExitStack() as stack:
-            stack.enter_context(few_rows_pass(sum(lengths)))
+            stack.enter_context(pass_rows(sum(lengths)))
             captured = stack.enter_context(final_hidden(model)) if hidden else None
             out = model(
                 input_ids=ids,

@@ -37,8 +37,8 @@ from agentspec.kv import (
     Segments,
     cache_segments,
     common_prefix_len,
-    few_rows_pass,
     final_hidden,
+    pass_rows,
 )
 
 MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many tokens
@@ -238,7 +238,7 @@ class StaticState:
 
     def _eager(self, x: torch.Tensor, positions: torch.Tensor, keep: int, hidden: bool):
         with ExitStack() as stack:
-            stack.enter_context(few_rows_pass(x.shape[1]))
+            stack.enter_context(pass_rows(x.shape[1]))
             captured = stack.enter_context(final_hidden(self.model)) if hidden else None
             out = self.model(
                 input_ids=x, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=keep

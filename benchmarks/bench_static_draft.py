@@ -59,7 +59,7 @@ def tiny_llama(device: torch.device) -> LlamaForCausalLM:
 def embedded_135m(device: torch.device):
     """The embedded 135M model as a draft (the embedded pair's own draft is an EAGLE head).
 
-    Loaded with transformers alone: a pair's ``WeightFirst`` linears read a ContextVar, which
+    Loaded with transformers alone: a pair's ``PassLinears`` linears read a ContextVar, which
     ``torch.compile`` cannot trace (a graph break per step), and a one-token step does not use them.
     """
     model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)

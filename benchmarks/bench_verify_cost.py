@@ -6,7 +6,7 @@ Run from the repository root (about 5 minutes on 2 cores, 7 GB of memory):
 
 A verify pass feeds the target k new tokens (the last verified one and k - 1 drafted ones) and keeps a
 logits row for each. On a CPU, ``F.linear`` (``x @ W.T``) for a few rows against a large weight (the
-LM head) runs far slower than for one row; ``W @ x.T`` does not. ``agentspec.kv.WeightFirst``
+LM head) runs far slower than for one row; ``W @ x.T`` does not. ``agentspec.kv.PassLinears``
 computes passes of 2 to ``kv.FEW_ROWS`` rows the second way. Two measurements, each interleaving the
 two ways round by round with a rotating order, so drift on a shared machine hits both alike:
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             model = qwen7b_shaped(dtype)
             default, kv.WEIGHT_FIRST_DTYPES = kv.WEIGHT_FIRST_DTYPES, {dtype}
             try:
-                kv.WeightFirst(model)  # what building a pair does
+                kv.PassLinears(model)  # what building a pair does
                 result[f"large_{name}_ms"] = whole_pass(model, ids, LARGE_SIZES, args.cache_len, 5)
             finally:
                 kv.WEIGHT_FIRST_DTYPES = default

@@ -1,9 +1,10 @@
-"""``kv.WeightFirst``: CPU passes of a few rows compute large linears as ``W @ x.T``.
+"""``kv.PassLinears``: CPU passes of a few rows compute large float32 linears as ``W @ x.T``, and
+bfloat16 ones (on a CPU with bf16 instructions) with a prepacked oneDNN weight.
 
 The product is the same (to float rounding); which linears take that path is decided once, when the
 pair is built; only agentspec's own passes of 2..FEW_ROWS rows take it (also after a failed pass,
 also with passes overlapping on threads), so every other caller of the model gets ``F.linear``;
-only large float32 CPU linears are touched. That greedy decoding with it stays token-identical to
+only large float32 and bfloat16 CPU linears are touched. That greedy decoding with it stays token-identical to
 plain decoding is checked in test_equivalence.
 """
 
@@ -55,9 +56,9 @@ def test_weight_first_computes_the_linear(shape, bias):
 def test_large_linears_run_weight_first_inside_a_pass_only(monkeypatch, weight_first_calls):
     monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 48 * 16 * 4)  # both weights hold 3,072 bytes
     model = torch.nn.Sequential(linear(), linear(16, 48))
-    assert kv.WeightFirst(model).linears == list(model) and all(installed(m) for m in model)
+    assert kv.PassLinears(model).linears == list(model) and all(installed(m) for m in model)
     x = torch.randn(4, 16)
-    with kv.few_rows_pass(rows=4):
+    with kv.pass_rows(rows=4):
         got = model(x)
     assert weight_first_calls == [4, 4]  # both linears
     f = torch.nn.functional.linear
@@ -66,39 +67,69 @@ def test_large_linears_run_weight_first_inside_a_pass_only(monkeypatch, weight_f
     assert len(weight_first_calls) == 2
     monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 48 * 16 * 4 + 1)  # now neither is large
     small = torch.nn.Sequential(linear(), linear(16, 48))
-    assert not kv.WeightFirst(small).linears and not any(installed(m) for m in small)
+    assert not kv.PassLinears(small).linears and not any(installed(m) for m in small)
 
 
 @pytest.mark.parametrize("rows", [0, 1, kv.FEW_ROWS + 1])
 def test_one_row_passes_and_prefills_keep_f_linear(every_weight_is_large, weight_first_calls, rows):
     lin = linear()
-    kv.WeightFirst(lin)
-    with kv.few_rows_pass(rows=rows):
+    kv.PassLinears(lin)
+    with kv.pass_rows(rows=rows):
         lin(torch.randn(4, 16))
     assert not weight_first_calls
 
 
-def test_bfloat16_and_subclasses_are_left_alone(every_weight_is_large):
+def test_subclasses_are_left_alone(every_weight_is_large):
     class Scaled(torch.nn.Linear):
         pass
 
-    half, sub = linear(dtype=torch.bfloat16), Scaled(16, 48)
-    assert not kv.WeightFirst(torch.nn.Sequential(half, sub)).linears
-    assert not installed(half) and not installed(sub)
+    sub = Scaled(16, 48)
+    assert not kv.PassLinears(sub).linears and not installed(sub)
+
+
+needs_bf16 = pytest.mark.skipif(not kv.cpu_has_bf16(), reason="this CPU has no bfloat16 instructions")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 17, 100])
+def test_bfloat16_linears_run_prepacked_inside_a_pass(rows):
+    lin = linear(n_out=96, n_in=64, dtype=torch.bfloat16)
+    found = kv.PassLinears(lin)
+    assert found.linears == [lin] and found.packed_bytes == 96 * 64 * 2
+    x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+    plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    with kv.pass_rows(rows):
+        packed = lin(x)
+    torch.testing.assert_close(packed, plain)  # bfloat16's tolerance: another kernel, same product
+    assert torch.equal(lin(x), plain)  # outside a pass: F.linear itself
+
+
+def test_bfloat16_linears_are_not_packed_past_the_memory_share(monkeypatch):
+    monkeypatch.setattr(kv, "_available_memory", lambda: 4 * (96 * 64 * 2))  # a share of 1/4: one fits
+    monkeypatch.setattr(kv, "cpu_has_bf16", lambda: True)
+    first, second = linear(96, 64, dtype=torch.bfloat16), linear(96, 64, dtype=torch.bfloat16)
+    assert kv.PassLinears(torch.nn.Sequential(first, second)).linears == [first]
+    assert not installed(second)
+
+
+def test_bfloat16_linears_are_left_alone_without_bf16_instructions(monkeypatch):
+    monkeypatch.setattr(kv, "cpu_has_bf16", lambda: False)
+    lin = linear(dtype=torch.bfloat16)
+    assert not kv.PassLinears(lin).linears and not installed(lin)
 
 
 def test_someone_elses_forward_is_kept(every_weight_is_large):
     lin = linear()
     hooked = lambda x: torch.zeros(1)  # noqa: E731 (accelerate sets an instance forward like this)
     lin.forward = hooked
-    assert not kv.WeightFirst(lin).linears
+    assert not kv.PassLinears(lin).linears
     assert lin.forward is hooked
 
 
 def test_a_failed_pass_leaves_f_linear_behind(every_weight_is_large, weight_first_calls):
     lin = linear()
-    kv.WeightFirst(lin)
-    with pytest.raises(RuntimeError, match="boom"), kv.few_rows_pass(rows=4):
+    kv.PassLinears(lin)
+    with pytest.raises(RuntimeError, match="boom"), kv.pass_rows(rows=4):
         raise RuntimeError("boom")
     lin(torch.randn(4, 16))
     assert not weight_first_calls
@@ -106,12 +137,12 @@ def test_a_failed_pass_leaves_f_linear_behind(every_weight_is_large, weight_firs
 
 def test_a_pass_on_one_thread_leaves_another_threads_calls_alone(every_weight_is_large, weight_first_calls):
     lin = linear()
-    kv.WeightFirst(lin)
+    kv.PassLinears(lin)
     x = torch.randn(3, 16)
     inside, leave = threading.Event(), threading.Event()
 
     def other_pass():
-        with kv.few_rows_pass(rows=3):
+        with kv.pass_rows(rows=3):
             inside.set()
             leave.wait(10)
             lin(x)
@@ -128,7 +159,7 @@ def test_a_pass_on_one_thread_leaves_another_threads_calls_alone(every_weight_is
 
 def test_model_state_passes_use_it(every_weight_is_large, tiny_llama, weight_first_calls):
     model = tiny_llama(0)
-    kv.WeightFirst(model)
+    kv.PassLinears(model)
     state = kv.ModelState(model)
     state.forward([1, 2, 3], keep=1)
     state.forward([4], keep=1)
@@ -145,8 +176,8 @@ def test_the_large_linears_are_found_once_per_pair(every_weight_is_large, tiny_l
     real = model.modules
     monkeypatch.setattr(model, "modules", lambda: walks.append(1) or real())
     pair = ModelPair(target=model, tokenizer=None)
-    assert len(walks) == 1 and pair.weight_first.linears
-    assert {id(m) for m in pair.weight_first.linears} == {id(m) for m in real() if type(m) is torch.nn.Linear}
+    assert len(walks) == 1 and pair.pass_linears.linears
+    assert {id(m) for m in pair.pass_linears.linears} == {id(m) for m in real() if type(m) is torch.nn.Linear}
     state = kv.ModelState(model)
     for ids in ([1, 2, 3], [4, 5], [6]):
         state.forward(ids, keep=len(ids))
@@ -158,7 +189,7 @@ def test_a_draft_sharing_the_targets_head_gets_it_once(every_weight_is_large, ti
     draft = copy.deepcopy(target)
     draft.lm_head = target.lm_head
     pair = ModelPair(target=target, draft=draft, tokenizer=None)
-    ids = [id(m) for m in pair.weight_first.linears]
+    ids = [id(m) for m in pair.pass_linears.linears]
     assert len(ids) == len(set(ids)) and id(target.lm_head) in ids
 
 

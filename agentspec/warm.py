@@ -1,0 +1,80 @@
+"""Warming a loaded pair up, so that its first call runs as fast as a later one.
+
+A model's first passes pay for what is done once: the allocator grows its pools for the KV cache
+and the activations, oneDNN and MKL pick (and on a CPU JIT-compile) their kernels for each
+(weight, rows) shape, and lazily imported code is imported. Without this, a pair's first call is
+slower than its later ones of the same size (``benchmarks/bench_vs_vllm.py``'s first-call figures).
+
+``warm_up`` runs at load (``load_pair``) the kinds of pass a call runs: a prefill chunk, a one-row
+step and a verify pass of a few rows through the target, with the features an EAGLE head reads, and
+the draft's own steps. Each runs in a throwaway state outside the pair's scheduler, so nothing a call
+sees (the prefix cache, the drafters' memory, the pair's cost model and pass counts) changes. The
+grammar compiler's vocabulary, the slowest part of a first constrained call, is read in a thread of
+its own (a constrained call waits for it; so does the interpreter at exit: xgrammar aborts the
+process when torn down mid-read), so it adds nothing to the load time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from agentspec.drafters.eagle import EagleState, is_eagle
+from agentspec.kv import ModelState
+
+# The passes run at load: a prefill of PREFILL_ROWS tokens, then one of each VERIFY_ROWS size (a plain
+# decode step, a verify pass of a few drafted tokens, a long draft's).
+PREFILL_ROWS = 64
+VERIFY_ROWS = (1, 4, 9)
+
+
+def warm_up(pair: Any) -> float:
+    """Run each kind of pass of ``pair`` once (see the module doc); the seconds it took."""
+    start = time.perf_counter()
+    ids = _token_ids(pair.tokenizer, PREFILL_ROWS + sum(VERIFY_ROWS))
+    eagle = pair.draft is not None and is_eagle(pair.draft)
+    with torch.inference_mode():
+        hidden = _target_passes(pair.target, ids, eagle)
+        if eagle:
+            _eagle_passes(pair.draft, ids, hidden)
+        elif pair.draft is not None:
+            _target_passes(pair.draft, ids, False)
+    threading.Thread(target=pair.grammar_compiler.prepare, name="agentspec-grammar").start()
+    return time.perf_counter() - start
+
+
+def _token_ids(tokenizer: Any, n: int) -> list[int]:
+    """``n`` ids of ordinary text (a real token stream, not one id repeated: attention sees a real mix)."""
+    text = "The agent calls a tool, reads its result and answers the user in a sentence or two. "
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def _target_passes(model: Any, ids: list[int], hidden: bool) -> list[torch.Tensor]:
+    """A prefill and each verify size through a fresh ``ModelState``; the final-norm features of
+    every position (what an EAGLE head drafts from) where ``hidden``."""
+    state = ModelState(model)
+    feats: list[torch.Tensor] = []
+    pos = 0
+    for rows in (PREFILL_ROWS, *VERIFY_ROWS):
+        keep = 1 if rows == PREFILL_ROWS else rows  # a prefill keeps its last row's logits, a verify all
+        out = state.forward(ids[pos : pos + rows], keep, hidden=hidden)
+        if hidden:
+            feats.append(out[1])
+        pos += rows
+    return feats
+
+
+def _eagle_passes(head: Any, ids: list[int], feats: list[torch.Tensor]) -> None:
+    """An EAGLE head fed the target's features as a call feeds it, then a few draft steps."""
+    state = EagleState(head)
+    pos = 0
+    for rows, hidden in zip((PREFILL_ROWS, *VERIFY_ROWS), feats, strict=True):
+        state.observe(pos, hidden)
+        state.forward(ids[pos : pos + rows], 1)
+        pos += rows
+    for token in ids[:3]:  # drafting: each step fed the head's own last output
+        state.forward([token], 1)
