@@ -24,6 +24,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from agentspec.kv import in_pass
+
 NAME = "agentspec_sdpa"
 
 
@@ -50,6 +52,8 @@ def grouped_sdpa_forward(
     pack = kwargs.pop("agentspec_pack", None)
     if pack is not None:
         return pack.attend(module, query, dropout, scaling, **kwargs)
+    if query.shape[2] > 1 and attention_mask is not None and row_by_row(query):
+        return _row_by_row(module, query, key, value, dropout, scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (
         groups == 1
@@ -78,6 +82,46 @@ def grouped_sdpa_forward(
     )  # [B, Hkv, G*q, Dv]
     out = out.reshape(batch, heads, q_len, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
+
+
+# The most rows a pass attends row by row (``row_by_row``): a verify pass's (the last verified token
+# and the drafts); a prefill, chunked or not, keeps one call (a row's call costs ~30 us a layer).
+ROW_BY_ROW_MAX = 32
+
+
+def row_by_row(query: torch.Tensor) -> bool:
+    """Whether a pass's query rows attend one by one, each as a one-row pass would: in agentspec's own
+    verify-sized passes (``kv.pass_rows``: one sequence, a causal mask after its cache; at most
+    ROW_BY_ROW_MAX rows) on a CPU in a dtype coarser than float32. There the attention kernel for
+    several rows sums in another order than the one-row kernel, and bfloat16 rounding turns that
+    into other logits; with the prepacked linears (``kv.PassLinears``), which compute each row as a
+    one-row pass does, a verify pass's rows are then bit-identical to one-row steps, so speculative
+    decoding in bfloat16 is token-identical to plain decoding. The cost: one small attention call
+    per row and layer (a 5-row pass 9% slower, a 17-row one 37%, measured side by side). Elsewhere
+    the rounding it would hide is float32's (token-identical in the tests) or a GPU's, whose linears
+    are not row-invariant either (bfloat16 divergences are reported with their logit margins)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and query.shape[0] == 1
+        and query.shape[2] <= ROW_BY_ROW_MAX
+        and in_pass()
+    )
+
+
+def _row_by_row(module, query, key, value, dropout, scaling, **kwargs):
+    """Causal attention of each query row over the keys up to its own position, as ``sdpa`` runs a
+    one-row pass (no mask: the row sees every key it is given)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    outs = []
+    for i in range(q_len):
+        end = kv_len - q_len + i + 1
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end], None,
+            dropout=dropout, scaling=scaling, **kwargs,
+        )  # fmt: skip
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
 
 
 AttentionInterface.register(NAME, grouped_sdpa_forward)

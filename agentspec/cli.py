@@ -290,7 +290,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--draft-model", default=None, help="draft model (default: the embedded target's own)")
     s.add_argument("--no-draft-model", action="store_true", help="no draft model (suffix/n-gram drafts only)")
     s.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
-    s.add_argument("--dtype", help="float32, bfloat16, auto (default: bfloat16 on CUDA, float32 on CPU)")
+    s.add_argument(
+        "--dtype",
+        help="float32, bfloat16, auto (default: $AGENTSPEC_DTYPE, else bfloat16 on CUDA, float32 on CPU)",
+    )
     s.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     s.add_argument(
         "--drafter", default="auto", help="auto, suffix, model, model_scheduled, prompt_lookup, none"

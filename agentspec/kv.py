@@ -189,6 +189,11 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def in_pass() -> bool:
+    """Whether this thread is inside an agentspec pass (``pass_rows``)."""
+    return not torch.compiler.is_compiling() and _PASS_ROWS.get() > 0
+
+
 @contextmanager
 def pass_rows(rows: int) -> Iterator[None]:
     """Within the block, this thread runs an agentspec pass over ``rows`` new tokens: its

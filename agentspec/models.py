@@ -129,8 +129,26 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    # bfloat16 on GPUs; float32 on CPUs, where bfloat16 matmuls are slower (probes.md)
+    """The dtype ``load_pair(dtype=None)`` loads in: ``$AGENTSPEC_DTYPE`` where set (a name, as
+    ``dtype`` takes), else bfloat16 on a GPU and float32 on a CPU.
+
+    On a CPU with bfloat16 instructions bfloat16 is faster end to end (1.38x on the 12-call agent
+    conversation, docs/benchmarks.md, "The pass") and its speculative decoding is token-identical to
+    its plain decoding (``attention.row_by_row``), but a prefix-cache hit is not bit-identical to a
+    cold prefill there: the cached keys were computed by other passes, and bfloat16's rounding turns
+    that into other tokens at near-ties (the demo agent's replies differed). float32 keeps every path
+    token-identical, so it stays the CPU default; bfloat16 is one ``dtype=`` (or ``$AGENTSPEC_DTYPE``)
+    away. ``cpu_has_bf16`` says whether the CPU has the instructions (without, oneDNN emulates them).
+    """
+    if env := os.environ.get("AGENTSPEC_DTYPE"):
+        return _named_dtype(env)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _named_dtype(name: str) -> torch.dtype:
+    if isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    raise ValueError(f"dtype: expected a torch dtype or its name, got {name!r}")
 
 
 def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
@@ -138,8 +156,8 @@ def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        return getattr(torch, dtype)
+    if isinstance(dtype, str):
+        return _named_dtype(dtype)
     raise ValueError(f"dtype: expected a torch dtype or its name, got {dtype!r}")
 
 
@@ -376,7 +394,7 @@ def load_pair(
     ``model=None`` the embedded default SmolLM2-135M-Instruct is used, and with ``draft_model=None``
     its distilled default draft (``default_draft_folder()``); ``draft_model=False`` loads no draft
     model (with another target, None also means none). ``device`` defaults to CUDA
-    when available, else CPU; ``dtype`` to bfloat16 on CUDA and float32 on CPU.
+    when available, else CPU; ``dtype`` to ``default_dtype(device)``.
     ``prefix_cache_bytes`` is the device byte budget of the pair's cross-call prefix cache (default:
     ``agentspec.cache.default_budget``), ``prefix_cache_host_bytes`` that of its host tier (default:
     ``agentspec.cache.default_host_budget``: none on a CPU). ``draft_cache`` is the draft model's

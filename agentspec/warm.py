@@ -26,9 +26,11 @@ from agentspec.drafters.eagle import EagleState, is_eagle
 from agentspec.kv import ModelState
 
 # The passes run at load: a prefill of PREFILL_ROWS tokens, then one of each VERIFY_ROWS size (a plain
-# decode step, a verify pass of a few drafted tokens, a long draft's).
-PREFILL_ROWS = 64
-VERIFY_ROWS = (1, 4, 9)
+# decode step, a verify pass of a few drafted tokens). Few rows: what a first pass pays once is about
+# 0.05 s here whatever its rows, while every row costs compute, and the whole warm-up is to stay
+# within a fifth of the load (bench_vs_vllm's warm_up_over_load).
+PREFILL_ROWS = 16
+VERIFY_ROWS = (1, 5)
 
 
 def warm_up(pair: Any) -> float:

@@ -18,6 +18,8 @@ In one run, side by side:
 3. Where each pass's time goes: a few passes under ``torch.profiler``, the ops grouped by category
    (linear, attention, norm, elementwise, kv_cache, other) and "outside_ops", the pass's wall time
    that no op accounts for (Python); the top ops too (``passes.profile_passes``).
+   The target's passes with its linears as the library runs them against plain ``F.linear``
+   (``linear_paths``: in bfloat16 the library prepacks the weights for oneDNN), in alternating blocks.
 4. Against the limit: each one-row pass as weight bytes read (``roofline.bytes_per_step``) per
    second over the measured read bandwidth (issue 29's goal: float32 at least 0.7).
 5. Baselines after the same 400-token prompt (real text), greedy, never stopping early: a decode
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 
 import agentspec
+from agentspec import kv
 from agentspec.bench import passes, roofline
 from agentspec.bench.run import environment
 from agentspec.bench.workloads import CODE, SEARCH, WEATHER
@@ -58,6 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 400
 GOAL_FRACTION = 0.7  # float32 one-row pass over the read-bandwidth bound
 VLLM_TIMEOUT_S = 900
+BLOCK, BLOCK_WARM = 5, 2  # linear_paths: passes timed per block, and passes before them dropped
 
 
 def copy_bandwidth(mib: int, repeats: int) -> dict[str, Any]:
@@ -189,11 +193,50 @@ def vllm_step(dtype: str, ids: list[int], args) -> dict[str, Any]:
     return {"status": "ok", "bind": bind, "threads": threads, "worker_core_ids": bound[:1], **result}
 
 
+def library_and_plain(dtype: str) -> dict[str, Any]:
+    """Two loads of the target: its linears as the library runs them (``kv.PassLinears``: in bfloat16,
+    weights prepacked for oneDNN), and with no prepacked copies (``F.linear``)."""
+    library = agentspec.load_pair(dtype=dtype, draft_model=False, warm_up=False)
+    share, kv.PACKED_MEMORY_SHARE = kv.PACKED_MEMORY_SHARE, 0.0
+    try:
+        plain = agentspec.load_pair(dtype=dtype, draft_model=False, warm_up=False)
+    finally:
+        kv.PACKED_MEMORY_SHARE = share
+    return {"library": library, "F.linear": plain}
+
+
+def linear_paths(dtype: str, args) -> dict[str, Any]:
+    """The target's passes both ways (``library_and_plain``) in blocks that alternate from round to
+    round: a bfloat16 model nearly fits this CPU's last-level cache (300 MiB), so two models' passes
+    interleaved one by one would each read the other's evictions from memory; each block's first
+    passes (the cache filling) are dropped. And the largest logit difference between the two ways."""
+    pairs = library_and_plain(dtype)
+    states = {n: passes.random_state(p.target, args.cache_len, max(args.rows)) for n, p in pairs.items()}
+    times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in args.rows} for name in pairs}
+    logits: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for r in range(max(2, args.repeats // BLOCK)):
+            for name in list(pairs)[:: 1 if r % 2 else -1]:
+                state, new = states[name]
+                for k in args.rows:
+                    for i in range(BLOCK + BLOCK_WARM):
+                        t0 = time.perf_counter()
+                        logits[name] = state.forward(new[:k], keep=k).float()
+                        if i >= BLOCK_WARM:
+                            times[name][k].append((time.perf_counter() - t0) * 1e3)
+                        state.truncate(args.cache_len)
+    diff = float((logits["library"] - logits["F.linear"]).abs().max())  # the last pass of each: same ids
+    out = {name: {str(k): passes.summary(v) for k, v in t.items()} for name, t in times.items()}
+    return {"packed_bytes": pairs["library"].pass_linears.packed_bytes, "max_abs_logit_diff": diff, **out}
+
+
 def run_dtype(dtype: str, args, read_gb_s: float) -> dict[str, Any]:
     print(f"{dtype}: target passes and profiles ...", flush=True)
     pair = agentspec.load_pair(dtype=dtype, draft_model=False)
     ids = prompt_ids(pair.tokenizer)
     out: dict[str, Any] = {"environment": environment(pair), "target": target_passes(pair, args, read_gb_s)}
+    print(f"{dtype}: the library's linears against F.linear ...", flush=True)
+    out["linears"] = linear_paths(dtype, args)
     print(f"{dtype}: generate() and agentspec plain steps ...", flush=True)
     out["hf_generate"] = hf_step(pair.target, ids, args.new_tokens, args.repeats_calls)
     out["agentspec_plain"] = agentspec_step(pair, ids, args.new_tokens, args.repeats_calls)
@@ -243,6 +286,10 @@ def table(result: dict[str, Any]) -> None:
         for k, prof in t["profile"].items():
             shares = ", ".join(f"{c} {s:.0%}" for c, s in prof["categories_share"].items() if s >= 0.01)
             print(f"  {k} rows: {shares}")
+        lin = r["linears"]
+        cells = "  ".join(f"{k} rows {p['median_ms']:.1f}/{lin['F.linear'][k]['median_ms']:.1f}"
+                          for k, p in lin["library"].items())  # fmt: skip
+        print(f"  linears as the library runs them / F.linear, pass ms: {cells}")
         steps = {"generate()": r["hf_generate"], "agentspec plain": r["agentspec_plain"],
                  "vLLM": r.get("vllm", {})}  # fmt: skip
         cells = "  ".join(f"{n} {s['step_ms']:.1f}" for n, s in steps.items() if "step_ms" in s)

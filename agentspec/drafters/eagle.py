@@ -30,7 +30,7 @@ import copy
 
 import torch
 
-from agentspec.kv import PassIds, common_prefix_len, to_device
+from agentspec.kv import PassIds, common_prefix_len, pass_rows, to_device
 
 EAGLE_ARCHITECTURE = "eagle"
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
@@ -274,7 +274,8 @@ class EagleState:
         on_device = isinstance(ids, torch.Tensor)
         x = ids.reshape(1, -1) if on_device else to_device(ids, self.model.device)[None]
         try:
-            h = self.model.hidden(feats[None].to(self.model.device), x, cache=self.cache)[0]
+            with pass_rows(x.shape[1]):  # an agentspec pass: its linears take their pass paths (PassLinears)
+                h = self.model.hidden(feats[None].to(self.model.device), x, cache=self.cache)[0]
         except BaseException:
             self.reset()
             raise

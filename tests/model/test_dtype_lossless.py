@@ -97,3 +97,17 @@ def test_bfloat16_parts_from_generate_only_on_near_ties(bfloat16, float32, draft
         print(f"  {d}")
     far = [d for d in divergences if d["margin"] is None or d["margin"] > BF16_NEAR_TIE]
     assert not far, f"divergences that are no near-tie (margin > {BF16_NEAR_TIE}): {far}"
+
+
+@pytest.mark.parametrize("drafter", ("auto", "model", "suffix"))
+def test_bfloat16_speculation_is_token_identical_to_plain_decoding(bfloat16, drafter):
+    """In bfloat16 on a CPU a verify pass's rows are bit-identical to one-row steps (prepacked linears,
+    ``attention.row_by_row``), so every drafter's output is plain decoding's own, token for token."""
+    pair, refs = bfloat16
+    drafted = []
+    for name, (ids, _) in refs.items():
+        plain = agentspec.generate(pair, ids, max_new_tokens=MAX_NEW, speculative=False, prefix_cache=False)
+        got = agentspec.generate(pair, ids, drafter=drafter, max_new_tokens=MAX_NEW, prefix_cache=False)
+        assert got.token_ids == plain.token_ids, f"{name}: {first_diff(plain.token_ids, got.token_ids)=}"
+        drafted.append(got.stats.draft_tokens)
+    assert sum(drafted) > 0  # drafts were verified in multi-row passes, not only one-row steps

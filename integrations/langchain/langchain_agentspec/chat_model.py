@@ -174,7 +174,8 @@ class ChatSpecDecode(BaseChatModel):
     """Where the model runs ("cpu", "cuda", "cuda:1"). None: CUDA if available, else CPU."""
 
     dtype: str | None = None
-    """Weights dtype ("float32", "bfloat16", "auto"). None: bfloat16 on CUDA, float32 on CPU."""
+    """Weights dtype ("float32", "bfloat16", "auto"). None: ``agentspec.models.default_dtype``
+    ($AGENTSPEC_DTYPE, else bfloat16 on CUDA, float32 on CPU)."""
 
     speculative: bool = True
     """False: the same decoding loop without any draft (the honest baseline)."""
