@@ -2,16 +2,16 @@
 
 A model's first passes pay for what is done once: the allocator grows its pools for the KV cache
 and the activations, oneDNN and MKL pick (and on a CPU JIT-compile) their kernels for each
-(weight, rows) shape, and lazily imported code is imported. Without this, a pair's first call is
-slower than its later ones of the same size (``benchmarks/bench_vs_vllm.py``'s first-call figures).
+(weight, rows) shape, and lazily imported code is imported. Measured by
+``benchmarks/bench_vs_vllm.py`` (the first call against a later one, and the warm-up's share of the load).
 
-``warm_up`` runs at load (``load_pair``) the kinds of pass a call runs: a prefill chunk, a one-row
-step and a verify pass of a few rows through the target, with the features an EAGLE head reads, and
-the draft's own steps. Each runs in a throwaway state outside the pair's scheduler, so nothing a call
-sees (the prefix cache, the drafters' memory, the pair's cost model and pass counts) changes. The
-grammar compiler's vocabulary, the slowest part of a first constrained call, is read in a thread of
-its own (a constrained call waits for it; so does the interpreter at exit: xgrammar aborts the
-process when torn down mid-read), so it adds nothing to the load time.
+``warm_up`` runs at load (``load_pair``) the kinds of pass a call runs: a few rows with their logits
+(a prefill's and a verify pass's shapes) and a one-row step through the target, with the features an
+EAGLE head reads, and the draft's own steps. Each runs in a throwaway state outside the pair's
+scheduler, so nothing a call sees (the prefix cache, the drafters' memory, the pair's cost model and
+pass counts) changes. The grammar compiler's vocabulary, the slowest part of a first constrained call,
+is read in a thread of its own (a constrained call waits for it; so does the interpreter at exit:
+xgrammar aborts the process when torn down mid-read), so it adds nothing to the load time.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import torch
 from agentspec.drafters.eagle import EagleState, is_eagle
 from agentspec.kv import ModelState
 
-# The passes run at load: a prefill of PREFILL_ROWS tokens, then one of each VERIFY_ROWS size (a plain
-# decode step, a verify pass of a few drafted tokens). Few rows: what a first pass pays once is about
-# 0.05 s here whatever its rows, while every row costs compute, and the whole warm-up is to stay
-# within a fifth of the load (bench_vs_vllm's warm_up_over_load).
-PREFILL_ROWS = 16
-VERIFY_ROWS = (1, 5)
+# The passes run at load: PREFILL_ROWS tokens with a logits row each (a prefill's shapes, and a verify
+# pass's few-row LM head), then one of each VERIFY_ROWS size (a plain decode step). Few passes: what a
+# first pass pays once is about 0.05 s here whatever its rows, while each pass reads every weight, and
+# the warm-up is to stay within a fifth of the load (bench_vs_vllm's warm_up_over_load: three passes
+# measured 0.38-0.55 s on a 1.1-1.4 s load).
+PREFILL_ROWS = 8
+VERIFY_ROWS = (1,)
 
 
 def warm_up(pair: Any) -> float:
@@ -62,8 +63,7 @@ def _target_passes(model: Any, ids: list[int], hidden: bool) -> list[torch.Tenso
     feats: list[torch.Tensor] = []
     pos = 0
     for rows in (PREFILL_ROWS, *VERIFY_ROWS):
-        keep = 1 if rows == PREFILL_ROWS else rows  # a prefill keeps its last row's logits, a verify all
-        out = state.forward(ids[pos : pos + rows], keep, hidden=hidden)
+        out = state.forward(ids[pos : pos + rows], rows, hidden=hidden)
         if hidden:
             feats.append(out[1])
         pos += rows
