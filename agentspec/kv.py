@@ -96,8 +96,7 @@ _PASS_ROWS: ContextVar[int] = ContextVar("agentspec_pass_rows", default=0)
 
 def _pass_forward(linear: torch.nn.Linear, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward``, except inside an agentspec pass (``PassLinears``)."""
-    # a compiled step (``agentspec.static_kv``) keeps F.linear: a ContextVar read breaks its graph
-    rows = 0 if torch.compiler.is_compiling() else _PASS_ROWS.get()
+    rows = _pass_rows()
     if rows and packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")
     if 2 <= rows <= FEW_ROWS and packed is None:
@@ -189,9 +188,15 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _pass_rows() -> int:
+    """The new rows of this thread's agentspec pass (``pass_rows``); 0 outside one, and in a compiled
+    step (``agentspec.static_kv``), which keeps F.linear: a ContextVar read breaks its graph."""
+    return 0 if torch.compiler.is_compiling() else _PASS_ROWS.get()
+
+
 def in_pass() -> bool:
     """Whether this thread is inside an agentspec pass (``pass_rows``)."""
-    return not torch.compiler.is_compiling() and _PASS_ROWS.get() > 0
+    return _pass_rows() > 0
 
 
 @contextmanager

@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 import agentspec  # noqa: E402
 from agentspec.bench import roofline  # noqa: E402
+from agentspec.bench.divergence import first_diff, top_two  # noqa: E402
 from agentspec.bench.workloads import PROMPTS, QUICK_PROMPTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,22 +132,11 @@ def run_agentspec(pair, ids: list[int], n: int, mode: str, **options) -> Run:
 
 
 @torch.inference_mode()
-def logit_margin(model, seq: list[int]) -> dict[str, Any]:
-    """The target's plain next-token logits after seq: top-2 tokens and their margin."""
-    logits = model(input_ids=torch.tensor([seq], device=model.device), logits_to_keep=1).logits[0, -1]
-    top = torch.topk(logits.float(), 2)
-    return {
-        "top1": int(top.indices[0]),
-        "top2": int(top.indices[1]),
-        "margin": float(top.values[0] - top.values[1]),
-    }
-
-
 def compare(pair, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict[str, Any]:
     """Token-for-token comparison; on a mismatch, where and how close the target's call was."""
     if got == ref:
         return {"identical": True}
-    i = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    i = first_diff(ref, got)
     info: dict[str, Any] = {
         "identical": False,
         "first_diff": i,
@@ -155,7 +145,8 @@ def compare(pair, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict
         "ref_token": ref[i] if i < len(ref) else None,
         "got_token": got[i] if i < len(got) else None,
     }
-    info.update(logit_margin(pair.target, prompt_ids + ref[:i]))
+    top1, top2, margin = top_two(pair.target, prompt_ids + ref[:i])
+    info.update(top1=top1, top2=top2, margin=margin)
     tok = pair.tokenizer
     info["context"] = tok.decode(ref[max(0, i - 8) : i])
     info["ref_text"] = tok.decode(ref[i : i + 1])

@@ -21,9 +21,14 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def logit_margin(model, ids: list[int]) -> float:
-    """top1 - top2 of ``model``'s logits for the token after ``ids``: one plain forward pass of
-    transformers over the whole sequence, the logits compared in float32."""
+def top_two(model, ids: list[int]) -> tuple[int, int, float]:
+    """``model``'s two likeliest tokens after ``ids`` and their logits' margin (top1 - top2): one plain
+    forward pass of transformers over the whole sequence, the logits compared in float32."""
     logits = model(torch.tensor([ids], device=model.device), logits_to_keep=1).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
+    top = torch.topk(logits, 2)
+    return int(top.indices[0]), int(top.indices[1]), float(top.values[0] - top.values[1])
+
+
+def logit_margin(model, ids: list[int]) -> float:
+    """``top_two``'s margin."""
+    return top_two(model, ids)[2]
