@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -28,6 +30,9 @@ class GenerationConfig:
     # between passes (a pass is atomic, and the first one always runs, so a retry restores what it
     # prefilled from the prefix cache); past it the call raises ``agentspec.DecodeTimeout``
     timeout: float | None = None
+    # the target's log-probabilities of every output token, with this many most likely alternatives
+    # (0: the output token's alone; None: none, and nothing computed for them); ``Step.logprobs``
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +60,10 @@ class GenerationConfig:
                 raise ValueError(f"seed must be < 2**64, got {self.seed}")
         if self.timeout is not None:
             _check_seconds("timeout", self.timeout)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs: at most {MAX_LOGPROBS} alternatives, got {self.logprobs}")
         if not isinstance(self.speculative, bool) or not isinstance(self.jump_forward, bool):
             raise TypeError("speculative and jump_forward must be bools")
         for s in self.stop:

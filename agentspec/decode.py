@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from agentspec import logprobs as lp
 from agentspec.config import GenerationConfig
 from agentspec.cost import baseline_seconds
 from agentspec.drafters import Draft, Drafter
@@ -41,7 +42,7 @@ from agentspec.grammar import Constraint, Grammar, apply_bitmask
 from agentspec.kv import ModelState, PassIds, to_device
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
 from agentspec.models import ModelPair
-from agentspec.packed import read_values
+from agentspec.packed import Read, Verdict, read_verdicts
 from agentspec.sampling import make_generator, probabilities
 from agentspec.scheduler import LOOKAHEAD
 from agentspec.stats import DecodeStats
@@ -77,6 +78,8 @@ class Step:
     cached: int = 0  # tokens in the target's KV cache before the pass (restored or verified earlier)
     restored: int = 0  # prompt tokens restored from the prefix cache (first step only, else 0)
     started: float = 0.0  # ``time.perf_counter()`` when the pass began
+    # each of ``tokens``' log-probability under the target, when the call asked (``config.logprobs``)
+    logprobs: list[lp.TokenLogprob] | None = None
 
 
 @dataclass
@@ -387,11 +390,17 @@ class _Pass:
     bad: torch.Tensor | None = None  # a [] flag: the draft was not valid (``_guard``)
     tap: bool = False  # the drafter reads the target's hidden states (an EAGLE head)
     chunk: bool = False  # a chunk of the prompt only, fed beside other calls' rows: no logits, no Step
+    scored: bool = False  # the call asked for log-probabilities: the forced tokens' rows are kept too
 
     @property
     def keep(self) -> int:
-        """The logits rows the call reads: one per draft token, and the bonus row (none for a chunk)."""
-        return 0 if self.chunk else len(self.tokens) + 1
+        """The logits rows the call reads: one per draft token, and the bonus row (none for a
+        chunk); scored, the forced tokens' rows before them (a pass the grammar alone finishes
+        keeps only those)."""
+        if self.chunk:
+            return 0
+        forced = len(self.forced) if self.scored else 0
+        return forced + (len(self.tokens) + 1 if self.verified else 0)
 
 
 def _chunk(call: _Call, size: int) -> _Pass | None:
@@ -420,7 +429,10 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
     cap = cap if call.config.greedy else None
     tokens, q, n_jump, source = _draft(call, forced, room - len(forced) - 1, finished, cap)
     verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
-    p = _Pass(t0, at, pending, forced, tokens, n_jump, source, verified)
+    scored = call.config.logprobs is not None
+    p = _Pass(t0, at, pending, forced, tokens, n_jump, source, verified, scored=scored)
+    if not verified and p.scored:  # the forced tokens' rows come from a pass that feeds them
+        p.feed = PassIds(pending + forced[:-1])
     if verified:
         on_device = isinstance(tokens, torch.Tensor)
         d = tokens if on_device else to_device(tokens, call.pair.device)  # [k]
@@ -431,44 +443,51 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
     return p
 
 
-@dataclass
-class _Verdict:
-    """A pass's result for one call, still on the device until the pass's one host read: ``values``
-    [n, token, (the draft was bad), (the draft's ids)], and the hidden rows (a tapped pass)."""
-
-    values: torch.Tensor
-    hidden: torch.Tensor | None
-
-
-def _judge(call: _Call, p: _Pass, out) -> _Verdict:
-    """Accept the draft against the pass's logits ``out`` ([k+1, V], with the hidden rows when
-    tapped), on the device: what the host is to read (``_accept`` takes it)."""
-    c, config = call.constraint, call.config
-    k, d, on_device = len(p.tokens), p.feed.device, isinstance(p.tokens, torch.Tensor)
+def _judge(call: _Call, p: _Pass, out) -> tuple[Verdict, torch.Tensor | None]:
+    """Accept the draft against the pass's logits ``out`` ([keep, V], with the hidden rows when
+    tapped), on the device: what the host is to read (``_accept`` takes it), and the hidden rows."""
     try:
-        logits, hidden = out if p.tap else (out, None)  # [k+1, V]; [pass tokens, H]
-        if c is not None:
-            logits = apply_bitmask(logits, c.bitmasks(k + 1))
-        if config.greedy:
-            result = greedy_accept(d, logits)  # [2]
-        else:
-            probs = probabilities(logits, config.temperature, config.top_k, config.top_p)
-            result = speculative_accept(d, probs, p.q, call.gen)
-        parts = [result]
-        if p.bad is not None:
-            parts.append(p.bad.long().reshape(1).to(result.device))
-        if on_device:
-            parts.append(d.to(result.device))
-        return _Verdict(torch.cat(parts), hidden)
+        logits, hidden = out if p.tap else (out, None)  # [keep, V]; [pass tokens, H]
+        if not p.verified:  # it scores the tokens the grammar forced, which finish the call
+            forced = to_device(p.forced, logits.device)
+            scores = lp.scores(lp.log_softmax(logits), forced, call.config.logprobs)
+            return Verdict(forced[:0], scores), None
+        return _verdict(call, p, logits), hidden
     except BaseException:
         call.target.truncate(p.at)  # the pass's positions are not verified: the state stays whole
         raise
 
 
+def _verdict(call: _Call, p: _Pass, logits: torch.Tensor) -> Verdict:
+    """``_judge`` for a verified pass: [n, token, (the draft was bad), (the draft's ids)], and the
+    emitted tokens' scores where asked for."""
+    c, config = call.constraint, call.config
+    k, d, on_device = len(p.tokens), p.feed.device, isinstance(p.tokens, torch.Tensor)
+    raw = lp.log_softmax(logits) if p.scored else None  # before any mask: the raw log-probabilities
+    logits = logits[len(p.forced) :] if p.scored else logits  # [k+1, V]
+    if c is not None:
+        logits = apply_bitmask(logits, c.bitmasks(k + 1))
+    if config.greedy:
+        result = greedy_accept(d, logits)  # [2]
+    else:
+        probs = probabilities(logits, config.temperature, config.top_k, config.top_p)
+        result = speculative_accept(d, probs, p.q, call.gen)
+    parts = [result]
+    if p.bad is not None:
+        parts.append(p.bad.long().reshape(1).to(result.device))
+    if on_device:
+        parts.append(d.to(result.device))
+    scores = None
+    if raw is not None:
+        tokens = lp.emitted(to_device(p.forced, raw.device), d, result)
+        scores = lp.scores(raw, tokens, config.logprobs)
+    return Verdict(torch.cat(parts), scores)
+
+
 def _accept(
     call: _Call, p: _Pass, read: list[int], hidden: torch.Tensor | None
 ) -> tuple[int, int, list[int]]:
-    """Take the verdict's values as read (``_Verdict.values``): returns (draft tokens accepted, the
+    """Take the verdict's values as read (``Verdict.values``): returns (draft tokens accepted, the
     token drawn after them, the accepted draft tokens); the target is rolled back to the verified
     tokens, and the constraint commits them."""
     target, c = call.target, call.constraint
@@ -497,14 +516,14 @@ def _verify_alone(call: _Call, p: _Pass):
     return forward_retrying(call.target, p.feed, p.keep, call.free_memory, p.tap)
 
 
-def _land(call: _Call, p: _Pass, read: list[int] | None, hidden: torch.Tensor | None = None) -> Step:
-    """Accept, roll back, finish: what the pass (``read``: its verdict's values as read; None when
-    ``p.verified`` is False, the grammar alone) adds to the call's output."""
+def _land(call: _Call, p: _Pass, read: Read | None, hidden: torch.Tensor | None = None) -> Step:
+    """Accept, roll back, finish: what the pass (``read``: its verdict as read; None when no
+    forward ran, the grammar alone) adds to the call's output."""
     seq, target, c, stats = call.seq, call.target, call.constraint, call.stats
     tokens, forced = p.tokens, p.forced
     n, new = 0, list(forced)
     if p.verified:
-        n, token, accepted = _accept(call, p, read, hidden)
+        n, token, accepted = _accept(call, p, read.values, hidden)
         stats.observe_step(len(tokens), n, p.source)
         stats.jump_forward_tokens += p.n_jump
         stats.jump_forward_accepted += min(n, p.n_jump)
@@ -529,28 +548,30 @@ def _land(call: _Call, p: _Pass, read: list[int] | None, hidden: torch.Tensor | 
         stats.finish_reason = reason
         stats.total_time_s = now - call.start
     call.passes += 1
+    scores = read.scores if read is not None else None
     return Step(
         new,
         call.text.release(call.out, final=reason is not None, cut=cut),
         len(tokens),
         n,
-        len(p.pending) - 1 if p.verified else 0,
+        len(p.pending) - 1 if p.feed is not None else 0,
         now - p.started,
         reason,
         stats,
         forced=min(len(forced), len(new)),
-        target_pass=p.verified,
-        fed=len(p.feed) if p.verified else 0,
+        target_pass=p.feed is not None,
+        fed=len(p.feed) if p.feed is not None else 0,
         cached=p.at,
         restored=stats.cached_tokens if call.passes == 1 else 0,
         started=p.started,
+        logprobs=lp.entries(new, scores, call.config.logprobs) if scores is not None else None,
     )
 
 
-def _read_whole(call: _Call, p: _Pass, verdicts: list[torch.Tensor]) -> list[list[int]]:
-    """``read_values``; a failed read leaves the call's state as before the pass."""
+def _read_whole(call: _Call, p: _Pass, verdict: Verdict) -> Read:
+    """``read_verdicts``; a failed read leaves the call's state as before the pass."""
     try:
-        return read_values(verdicts)
+        return read_verdicts([verdict])[0]
     except BaseException:
         call.target.truncate(p.at)
         raise
@@ -560,9 +581,9 @@ def _one_pass(call: _Call) -> Step:
     """Draft, verify, accept, roll back: what one target pass (or a grammar alone) adds to the output."""
     p = _plan(call)
     read = hidden = None
-    if p.verified:
-        verdict = _judge(call, p, _verify_alone(call, p))
-        read, hidden = _read_whole(call, p, [verdict.values])[0], verdict.hidden
+    if p.feed is not None:  # a verify pass, or one that scores the forced tokens that finish the call
+        verdict, hidden = _judge(call, p, _verify_alone(call, p))
+        read = _read_whole(call, p, verdict)
     step = _land(call, p, read, hidden)
     if step.target_pass:  # every timed pass teaches the pair's cost model, whoever reads it
         call.pair.cost.observe(step.fed, step.cached, step.seconds)
@@ -717,14 +738,13 @@ class _Member:
     def cached(self) -> int:
         return len(self.call.target.ids)
 
-    def judge(self, p: _Pass, out: Any) -> torch.Tensor | None:
-        if not p.verified:  # a chunk of the prompt, or the grammar alone: nothing to read
+    def judge(self, p: _Pass, out: Any) -> Verdict | None:
+        if p.chunk or p.feed is None:  # a chunk of the prompt, or the grammar alone: nothing to read
             return None
-        verdict = _judge(self.call, p, out)
-        self._hidden = verdict.hidden
-        return verdict.values
+        verdict, self._hidden = _judge(self.call, p, out)
+        return verdict
 
-    def land(self, p: _Pass, read: list[int] | None, alone: bool) -> bool:
+    def land(self, p: _Pass, read: Read | None, alone: bool) -> bool:
         if p.chunk:
             return False
         hidden, self._hidden = self._hidden, None
@@ -832,6 +852,34 @@ def stream(
         with scheduler.caller_turn(None):
             scheduler.remove(member)
             _leave(pair, cache, call, d, key, namespace, ended)
+
+
+def prefill(
+    pair: ModelPair, prompt_ids: Any, prefix_cache: Any = True, namespace: str | None = None
+) -> tuple[int, int]:
+    """Put the KV state of ``prompt_ids`` (all but the last token, which a call feeds with its first
+    pass) in the prefix cache, so that the calls after it restore the prompt instead of computing
+    it: the server's n choices of one request prefill their prompt once. Returns (tokens restored
+    from the cache, tokens computed); with no cache, (0, 0) and nothing is computed.
+
+    While other calls decode, the prompt is fed in the scheduler's chunks, the pair's lock taken
+    for each and let go between them, so their passes go on beside it, as for a call's own prompt.
+    """
+    cache = _pick_cache(pair, prefix_cache)
+    if cache is None:
+        return 0, 0
+    ids, scheduler = check_prompt(pair, prompt_ids), pair.scheduler
+    with scheduler.caller_turn(None):
+        target = _restore(pair, cache, ids, None, namespace)
+    restored = len(target.ids)
+    while len(target.ids) < len(ids) - 1:
+        with scheduler.caller_turn(None):
+            rest = ids[len(target.ids) : -1]
+            size = scheduler.prefill_chunk if scheduler.running else len(rest)
+            forward_retrying(target, rest[:size], 1, cache.clear)
+    with scheduler.caller_turn(None), cache_oom_frees_cache(cache, "saving to"):
+        cache.save(pair, {"target": target}, namespace)
+    return restored, len(target.ids) - restored
 
 
 def _leave(

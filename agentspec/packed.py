@@ -220,13 +220,47 @@ def _run(group: list[_Request]) -> None:
         r.done = True
 
 
-def read_values(verdicts: list[torch.Tensor]) -> list[list[int]]:
-    """The values of several verdicts in one host read (the one per pass that waits for the device)."""
-    if len(verdicts) == 1:
-        return [verdicts[0].tolist()]
-    flat = torch.cat(verdicts).tolist()
+@dataclass
+class Verdict:
+    """What one call reads after a pass: ``values``, integers (its accepted count, the next token,
+    ...), and ``scores``, floats ([rows, columns]: the log-probabilities it was asked for), or None."""
+
+    values: torch.Tensor
+    scores: torch.Tensor | None = None
+
+
+@dataclass
+class Read:
+    """A ``Verdict`` on the host."""
+
+    values: list[int]
+    scores: list[list[float]] | None = None
+
+
+def read_verdicts(verdicts: list[Verdict]) -> list[Read]:
+    """Several calls' verdicts on the host: their values in one read (on a GPU, the one per pass that
+    waits for the device), and their scores, where any call asked for some, in one more."""
+    values = _read_flat([v.values for v in verdicts])
+    scored = [v.scores for v in verdicts if v.scores is not None]
+    flat = iter(_read_flat([s.reshape(-1) for s in scored]) if scored else ())
+    reads = []
+    for v, ints in zip(verdicts, values):
+        rows = None
+        if v.scores is not None:
+            cells = next(flat)
+            width = v.scores.shape[1]  # shapes are host metadata: no read
+            rows = [cells[i : i + width] for i in range(0, len(cells), width)]
+        reads.append(Read(ints, rows))
+    return reads
+
+
+def _read_flat(tensors: list[torch.Tensor]) -> list[list]:
+    """One-dimensional tensors of one dtype on the host, in one read."""
+    if len(tensors) == 1:
+        return [tensors[0].tolist()]
+    flat = torch.cat(tensors).tolist()
     out, at = [], 0
-    for v in verdicts:  # a tensor's length is host metadata: no read
-        out.append(flat[at : at + v.shape[0]])
-        at += v.shape[0]
+    for t in tensors:  # a tensor's length is host metadata: no read
+        out.append(flat[at : at + t.shape[0]])
+        at += t.shape[0]
     return out

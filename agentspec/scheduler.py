@@ -30,12 +30,10 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
 from agentspec.cost import PairCost
 from agentspec.kv import ModelState, PassIds, batching
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
-from agentspec.packed import Rendezvous, forward_packed, packable, read_values
+from agentspec.packed import Read, Rendezvous, Verdict, forward_packed, packable, read_verdicts
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +85,12 @@ class Member(Protocol):
         ``cap``: the most drafter tokens (None: its own cap)."""
         ...
 
-    def judge(self, share: Share, out: Any) -> torch.Tensor | None:
+    def judge(self, share: Share, out: Any) -> Verdict | None:
         """The pass's verdict from its logits ``out``, on the device: what the host is to read for
         it (None: nothing; no forward ran, or it reads no logits)."""
         ...
 
-    def land(self, share: Share, read: list[int] | None, alone: bool) -> bool:
+    def land(self, share: Share, read: Read | None, alone: bool) -> bool:
         """Take the verdict's values as read; True when it leaves the running set (finished,
         failed or timed out: it told its caller)."""
         ...
@@ -275,11 +273,12 @@ class Scheduler:
                 self.remove(m)
 
     def _read(self, judged: list) -> list:
-        """(member, share, its values) with every member's verdict read in one host read (on a GPU,
-        the one wait of the pass); a failed read fails its members."""
+        """(member, share, its verdict as read) with every member's verdict read in one host read (on
+        a GPU, the one wait of the pass; log-probabilities, where asked for, in one more); a failed
+        read fails its members."""
         verdicts = [v for _, _, v in judged if v is not None]
         try:
-            values = iter(read_values(verdicts)) if verdicts else iter(())
+            values = iter(read_verdicts(verdicts)) if verdicts else iter(())
         except Exception as exc:
             for m, _, _ in judged:
                 self._fail(m, exc)

@@ -26,9 +26,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from agentspec.chat.logprobs import LogprobFormat
 from agentspec.chat.request import ChatCall, PreparedRequest, ReplyParser
 from agentspec.decode import CallRecord, Run, Step
 from agentspec.decode import run as run_steps
+from agentspec.logprobs import TokenLogprob
 from agentspec.stats import DecodeStats
 
 
@@ -41,12 +43,19 @@ class Delta:
     first_index: int  # index in the reply of ``calls[0]`` (calls are numbered from 0 across the reply)
     finish_reason: str | None  # "stop" or "length" on the last delta, else None
     stats: DecodeStats  # the call's running stats (final on the last delta)
+    # the log-probabilities of the tokens verified since the last delta, OpenAI's ``logprobs.content``
+    # entries (``agentspec.chat.logprobs``); None when the call did not ask for them
+    logprobs: list[dict] | None = None
 
 
-def reply_deltas(request: PreparedRequest, steps: Iterable[Step]) -> Iterator[Delta]:
+def reply_deltas(
+    request: PreparedRequest, steps: Iterable[Step], logprobs: LogprobFormat | None = None
+) -> Iterator[Delta]:
     """The deltas of ``request``'s reply, from the Steps of ``agentspec.stream`` over its prompt.
-    Steps that add nothing to show give no delta."""
+    Steps that add nothing to show give no delta; their tokens' log-probabilities (``logprobs``:
+    the call asked for them) come with the next delta."""
     parser = ReplyParser(request)
+    held: list[TokenLogprob] = []
     for step in steps:
         reason = step.finish_reason
         events = parser.feed(step.text)
@@ -54,8 +63,11 @@ def reply_deltas(request: PreparedRequest, steps: Iterable[Step]) -> Iterator[De
             events += parser.finish()
         text = "".join(value for kind, value in events if kind == "text")
         calls = [value for kind, value in events if kind != "text"]
+        held += step.logprobs or ()
         if text or calls or reason is not None:
-            yield Delta(text, calls, parser.calls - len(calls), reason, step.stats)
+            content = logprobs.content(held) if logprobs is not None else None
+            held = []
+            yield Delta(text, calls, parser.calls - len(calls), reason, step.stats, content)
         if reason is not None:
             return
 
@@ -72,7 +84,12 @@ class ChatRun:
         self.call, self._run, self._cancelled = call, steps, cancelled
 
     def __iter__(self) -> Iterator[Delta]:
-        return reply_deltas(self.call.request, self._steps())
+        call = self.call
+        form = None
+        if call.config.logprobs is not None:
+            eos = call.config.eos_token_ids or call.pair.eos_token_ids
+            form = LogprobFormat(call.pair.tokenizer, eos)
+        return reply_deltas(call.request, self._steps(), form)
 
     def _steps(self) -> Iterator[Step]:
         """The Steps, ending after the pass in progress once ``cancelled`` is set."""

@@ -72,8 +72,16 @@ _LOCAL_ONLY = (
 _IGNORED_CALL_ARGS = {"stream", "ls_structured_output_format", "structured_output_format"}
 _CALL_OVERRIDES = {
     "temperature", "top_p", "top_k", "max_tokens", "seed", "speculative", "max_draft_tokens",
-    "drafter", "prefix_cache", "constrained", "jump_forward", "timeout",
+    "drafter", "prefix_cache", "constrained", "jump_forward", "timeout", "logprobs", "top_logprobs",
 }  # fmt: skip
+
+
+def _logprobs(logprobs: bool | None, top: int | None) -> int | None:
+    """``GenerationConfig.logprobs`` from OpenAI's pair of options (None: none asked for)."""
+    if top and not logprobs:
+        raise ValueError("top_logprobs needs logprobs=True, as in OpenAI's API")
+    return (top or 0) if logprobs else None
+
 
 # Pairs loaded by ChatSpecDecode instances, keyed by what was asked for: instances with the same
 # model, draft model, device and dtype share one set of weights (and one prefix cache).
@@ -164,6 +172,13 @@ class ChatSpecDecode(BaseChatModel):
 
     seed: int | None = None
     """Seed for sampling: the same seed gives the same output."""
+
+    logprobs: bool | None = None
+    """True: each reply token's log-probability under the target (before temperature, top-p and
+    grammar masks) in ``response_metadata["logprobs"]["content"]``, as ChatOpenAI puts them."""
+
+    top_logprobs: int | None = None
+    """With ``logprobs``: this many most likely tokens (0-20) at each position besides."""
 
     timeout: float | None = None
     """Seconds a call may take, the wait for the model included (another call may hold it); None:
@@ -506,6 +521,9 @@ class ChatSpecDecode(BaseChatModel):
             speculative=speculative,
             jump_forward=speculative if jump_forward is None else jump_forward,
             timeout=get("timeout", self.timeout),
+            logprobs=(get("top_logprobs", self.top_logprobs) or 0)
+            if get("logprobs", self.logprobs)
+            else None,
         )
 
     def _prefix_cache(self, setting: bool | int) -> Any:
@@ -611,9 +629,10 @@ class ChatSpecDecode(BaseChatModel):
                         delta.text, calls, delta.finish_reason, record, name, errors, response_id
                     )
                 else:
-                    chunk = ChatGenerationChunk(
-                        message=AIMessageChunk(content=delta.text, tool_call_chunks=calls)
-                    )
+                    message = AIMessageChunk(content=delta.text, tool_call_chunks=calls)
+                    chunk = ChatGenerationChunk(message=message)
+                if delta.logprobs is not None:  # merged across the chunks, as ChatOpenAI's
+                    chunk.message.response_metadata["logprobs"] = {"content": delta.logprobs, "refusal": None}
                 if run_manager is not None:
                     run_manager.on_llm_new_token(delta.text, chunk=chunk)
                 yield chunk
@@ -711,6 +730,8 @@ class ChatSpecDecode(BaseChatModel):
             "max_tokens": self.max_tokens,
             "seed": self.seed,
             "stop": self.stop,
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs,
         }
         kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_ARGS}
         return request_options(self.model_name, messages, stop, kwargs, defaults)
