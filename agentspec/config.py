@@ -33,6 +33,9 @@ class GenerationConfig:
     # the target's log-probabilities of every output token, with this many most likely alternatives
     # (0: the output token's alone; None: none, and nothing computed for them); ``Step.logprobs``
     logprobs: int | None = None
+    # where the pair's scheduler has a choice (prompts competing for a pass's rows), lower goes first
+    # (vLLM's order); calls of one priority share the rows as before
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +63,8 @@ class GenerationConfig:
                 raise ValueError(f"seed must be < 2**64, got {self.seed}")
         if self.timeout is not None:
             _check_seconds("timeout", self.timeout)
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise TypeError(f"priority must be an int, got {type(self.priority).__name__}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
             if self.logprobs > MAX_LOGPROBS:

@@ -738,6 +738,14 @@ class _Member:
     def cached(self) -> int:
         return len(self.call.target.ids)
 
+    @property
+    def priority(self) -> int:
+        return self.call.config.priority
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.call.target.ids) < len(self.call.seq) - 1
+
     def judge(self, p: _Pass, out: Any) -> Verdict | None:
         if p.chunk or p.feed is None:  # a chunk of the prompt, or the grammar alone: nothing to read
             return None

@@ -11,8 +11,10 @@ thread saves the verified state); no call holds the lock across passes: the sche
 each pass, and hands it to callers waiting to join or leave before the next.
 
 A long prompt joining while others decode is prefilled in chunks of ``prefill_chunk`` tokens, one
-per pass, beside the others' rows (vLLM's chunked prefill), so it does not stall them. A member
-whose caller has not taken its last ``LOOKAHEAD`` Steps sits out passes until it does.
+per pass, beside the others' rows (vLLM's chunked prefill), so it does not stall them; where
+several prompts are being prefilled, those of the most urgent ``GenerationConfig.priority`` go first
+(``urgent``). A member whose caller has not taken its last ``LOOKAHEAD`` Steps sits out passes until
+it does.
 
 Failures stay with their member: a share that cannot be planned or landed fails that call alone; a
 packed forward that fails is retried per member (out of memory: in halves, after freeing memory),
@@ -71,6 +73,16 @@ class Member(Protocol):
     target: ModelState  # the target's state its shares are fed into
     free_memory: Callable[[], None] | None  # frees memory before a forward is retried
 
+    @property
+    def priority(self) -> int:
+        """Its call's ``GenerationConfig.priority``: lower goes first where the scheduler chooses."""
+        ...
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of its prompt is still to be fed before its last token (a chunk per pass)."""
+        ...
+
     def ready(self) -> bool:
         """It takes part in the next pass (its caller has kept up, and has not left)."""
         ...
@@ -127,6 +139,18 @@ def _drafted(meeting: Rendezvous, member: Member, chunk: int | None, cap: int | 
             return _share(member, chunk, cap)
     finally:
         meeting.leave()
+
+
+def urgent(members: list[Member]) -> list[Member]:
+    """The members that take part in a pass: every one, except that while two or more prompts are
+    being prefilled in chunks, only those of the most urgent priority among them feed theirs; the
+    others wait until they are through, so a prompt that matters more reaches its first token in
+    fewer passes. Calls already decoding are never held back."""
+    waiting = [m for m in members if m.prefilling]
+    if len(members) < 2 or len(waiting) < 2:
+        return members
+    best = min(m.priority for m in waiting)
+    return [m for m in members if not m.prefilling or m.priority == best]
 
 
 class Scheduler:
@@ -217,7 +241,7 @@ class Scheduler:
                     with self._turns:
                         self._thread = None
                     return
-                members = [m for m in self.running if m.ready()]
+                members = urgent([m for m in self.running if m.ready()])
                 for observer in tuple(self._observers):
                     observed.enter_context(observer())
                 if members:

@@ -44,12 +44,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentspec.chat import Delta, speculative_metadata
+from agentspec.chat import Delta, new_response_id, speculative_metadata
 from agentspec.decode import CallRecord
 from agentspec.models import ModelPair
 from agentspec.serve import protocol as P
 from agentspec.serve.metrics import CONTENT_TYPE, ServerMetrics
-from agentspec.serve.worker import Admission, Engine, Job, Verdict
+from agentspec.serve.worker import Admission, Engine, Job, SharedPrefill, Verdict
 from agentspec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,9 @@ class Server:
             headers={"WWW-Authenticate": "Bearer"},
         )
 
-    def admit(self, body: P.ChatCompletionRequest, request: Request, tenant: str | None) -> Job:
-        """The request's job, started on a worker thread; 400/404/429/503 when it cannot be."""
+    def admit(self, body: P.ChatCompletionRequest, request: Request, tenant: str | None) -> list[Job]:
+        """The request's jobs, one per choice, started on worker threads; 400/404/429/503 when they
+        cannot be."""
         bad = body.unsupported()
         if bad is not None:
             raise P.APIError(400, f"{bad} is not supported by this server", param=bad, code="unsupported")
@@ -110,25 +111,36 @@ class Server:
             raise P.APIError(
                 404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
             )
-        self._enter(tenant)
-        self.metrics.admitted()
+        if body.n > self.admission.share:  # it could never be admitted: not a matter of retrying
+            most = f"this server decodes at most {self.admission.share} sequences per key"
+            raise P.APIError(400, f"n={body.n}: {most}", param="n")
+        self._enter(tenant, body.n)
         loop = asyncio.get_running_loop()
-        job = Job(
-            self.engine,
-            body,
-            namespace(tenant, body.cache_salt),
-            propagate.extract(request.headers),
-            loop,
-            conversation_id=request.headers.get(SESSION_HEADER) or None,
-        )
-        self.jobs.add(job)
-        job.start(self.executor).add_done_callback(lambda _: self._left(job, tenant))
-        return job
+        shared = SharedPrefill() if body.n > 1 else None
+        response_id = new_response_id()
+        jobs = []
+        for index in range(body.n):
+            self.metrics.admitted()
+            job = Job(
+                self.engine,
+                body,
+                namespace(tenant, body.cache_salt),
+                propagate.extract(request.headers),
+                loop,
+                conversation_id=request.headers.get(SESSION_HEADER) or None,
+                response_id=response_id,
+                index=index,
+                shared=shared,
+            )
+            self.jobs.add(job)
+            job.start(self.executor).add_done_callback(lambda _, job=job: self._left(job, tenant))
+            jobs.append(job)
+        return jobs
 
-    def _enter(self, tenant: str | None) -> None:
+    def _enter(self, tenant: str | None, n: int) -> None:
         """Count the request in ``admission``; 503 when the server is full, 429 when its key is over
         its share (both with ``Retry-After``: a slot frees when a request finishes)."""
-        verdict = self.admission.enter(tenant)
+        verdict = self.admission.enter(tenant, n)
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         if verdict is Verdict.FULL:
             raise P.APIError(
@@ -155,7 +167,7 @@ class Server:
         self.metrics.left(job.closed_early)
 
     def finished(self, reply: Reply, last: Delta, record: CallRecord, started: float) -> dict[str, Any]:
-        """The response's ``metrics`` of a finished reply, counted in ``/metrics`` too."""
+        """The response's ``metrics`` of a finished reply (a choice), counted in ``/metrics`` too."""
         metrics = reply.metrics(last, record)
         spec_steps = metrics["speculative_decoding"]["num_spec_steps"]
         duration = time.perf_counter() - started
@@ -170,16 +182,22 @@ class Server:
 
 
 class Reply:
-    """A reply being put together from its deltas: content, valid calls, invalid calls."""
+    """A reply (one choice) being put together from its deltas: content, valid calls, invalid calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
         self.text: list[str] = []
         self.calls: list[dict] = []
         self.invalid: list[dict] = []  # not OpenAI's: reported under metrics.agentspec
+        self.logprobs: list[dict] | None = None  # OpenAI's entries, when the request asked
+        self.last: Delta | None = None  # the delta with the finish reason, once it came
+        self.record: CallRecord | None = None  # the choice's record, once its decode is closed
 
     def add(self, delta: Delta) -> list[dict]:
         """Take ``delta``; returns its valid calls, each with its index among the reply's valid calls."""
         self.text.append(delta.text)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
         fresh = []
         for call in delta.calls:
             if "error" in call:
@@ -191,6 +209,11 @@ class Reply:
 
     def finish_reason(self, delta: Delta) -> str:
         return P.finish_reason(delta.finish_reason or "stop", self.calls)
+
+    def choice(self) -> dict[str, Any]:
+        assert self.last is not None
+        text, reason = "".join(self.text), self.finish_reason(self.last)
+        return P.choice(self.index, text, self.calls, reason, self.logprobs)
 
     def metrics(self, delta: Delta, record: CallRecord) -> dict[str, Any]:
         """The response's ``metrics``: the call's record, as the span reports it."""
@@ -214,6 +237,15 @@ class Reply:
         }
 
 
+def usage(jobs: list[Job], replies: list[Reply]) -> dict[str, Any]:
+    """The request's usage: its prompt once, every choice's tokens, and the prompt tokens the prefix
+    cache held before it (with n > 1: before the choices' one prefill)."""
+    stats = replies[0].last.stats
+    shared = jobs[0].shared
+    cached = shared.restored if shared is not None else None
+    return P.usage(stats, sum(r.last.stats.output_tokens for r in replies), cached)
+
+
 async def _first(events: AsyncIterator) -> None:
     """Wait for the job's "ready" (an error in preparing the request is raised here, before any
     status line is sent)."""
@@ -224,54 +256,126 @@ async def _first(events: AsyncIterator) -> None:
         raise
 
 
-async def _until_disconnected(request: Request, job: Job) -> None:
-    """Cancel ``job`` when the client of a whole (not streamed) reply goes away."""
+async def _until_disconnected(request: Request, jobs: list[Job]) -> None:
+    """Cancel ``jobs`` when the client of a whole (not streamed) reply goes away."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancelled.set()
+    for job in jobs:
+        job.cancelled.set()
 
 
-async def _whole(server: Server, job: Job, request: Request, started: float) -> dict[str, Any]:
-    reply, events = Reply(), job.events()
-    watcher = asyncio.ensure_future(_until_disconnected(request, job))
-    delta, record = None, None
+async def _pump(index: int, events: AsyncIterator, queue: asyncio.Queue) -> None:
+    """Choice ``index``'s events onto ``queue`` as (index, kind, value), then (index, None, None);
+    its error as (index, "error", exc). Closing the events on the way out cancels its job."""
     try:
-        await _first(events)
         async for kind, value in events:
-            delta, record = value if kind == "finish" else (value, None)
-            reply.add(delta)
+            await queue.put((index, kind, value))
+        await queue.put((index, None, None))
+    except Exception as exc:
+        await queue.put((index, "error", exc))
+    finally:
+        await events.aclose()
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, str, Any]]:
+    """The choices' events as they come, each with its choice's index; the first error is raised,
+    and leaving (done, failed or cancelled) closes every choice's events, which cancels its job."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pump(i, events, queue)) for i, events in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, kind, value = await queue.get()
+            if kind is None:
+                running -= 1
+            elif kind == "error":
+                raise value
+            else:
+                yield index, kind, value
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _take(reply: Reply, kind: str, value: Any) -> tuple[Delta, list]:
+    """A job's "delta" or "finish" event taken into its reply: (the delta, its fresh valid calls)."""
+    delta, record = value if kind == "finish" else (value, None)
+    calls = reply.add(delta)
+    if record is not None:
+        reply.last, reply.record = delta, record
+    return delta, calls
+
+
+async def _whole(server: Server, jobs: list[Job], request: Request, started: float) -> dict[str, Any]:
+    replies = [Reply(job.index) for job in jobs]
+    streams = [job.events() for job in jobs]
+    watcher = asyncio.ensure_future(_until_disconnected(request, jobs))
+    merged = _merged(streams)
+    try:
+        for events in streams:
+            await _first(events)
+        async for index, kind, value in merged:
+            _take(replies[index], kind, value)
     finally:
         watcher.cancel()
-    if delta is None or record is None:  # the client went away: nobody reads this
+        await _close(merged, streams)
+    if any(r.record is None for r in replies):  # the client went away: nobody reads this
         raise P.APIError(499, "the client closed the request", code="client_closed")
-    metrics = server.finished(reply, delta, record, started)
-    text, reason = "".join(reply.text), reply.finish_reason(delta)
-    return P.completion(job.response_id, server.engine.model, text, reply.calls, reason, delta.stats, metrics)
+    metrics = [server.finished(r, r.last, r.record, started) for r in replies]
+    choices = [r.choice() for r in replies]
+    # with n > 1 the metrics are the first choice's (each choice is counted in /metrics)
+    return P.completion(jobs[0].response_id, server.engine.model, choices, usage(jobs, replies), metrics[0])
 
 
-async def _sse(server: Server, events: AsyncIterator, chunks: P.Chunks, started: float) -> AsyncIterator[str]:
-    """The reply as SSE events; a client that goes away cancels this generator, and so the job."""
-    reply = Reply()
-    yield chunks.start()
+async def _sse(
+    server: Server, jobs: list[Job], streams: list[AsyncIterator], chunks: P.Chunks, started: float
+) -> AsyncIterator[str]:
+    """The reply's choices as SSE events; a client that goes away cancels this generator, and so
+    the jobs."""
+    replies = [Reply(job.index) for job in jobs]
+    merged = _merged(streams)
     try:
-        async for kind, value in events:
-            delta, record = value if kind == "finish" else (value, None)
-            calls = reply.add(delta)
-            if delta.text:
-                yield chunks.text(delta.text)
-            if calls:
-                yield chunks.calls([c for _, c in calls], calls[0][0])
-            if record is not None:
-                metrics = server.finished(reply, delta, record, started)
-                for event in chunks.finish(reply.finish_reason(delta), delta.stats, metrics):
-                    yield event
+        for reply in replies:
+            yield chunks.start(reply.index)
+        async for index, kind, value in merged:
+            for event in _events(server, chunks, replies[index], kind, value, started):
+                yield event
+        for event in chunks.end(usage(jobs, replies)):
+            yield event
     except P.APIError as exc:
         yield chunks.error(exc)
     except Exception as exc:
         log.exception("decoding failed mid-stream")
         yield chunks.error(P.APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
     finally:
+        await _close(merged, streams)
+
+
+async def _close(merged: AsyncIterator, streams: list[AsyncIterator]) -> None:
+    """Close the merged events (their pumps stop, each closing its choice's events) and then every
+    choice's events, those no pump ran included: each job left running is cancelled."""
+    await merged.aclose()
+    for events in streams:
         await events.aclose()
+
+
+def _events(server: Server, chunks: P.Chunks, reply: Reply, kind: str, value: Any, started: float) -> list:
+    """The SSE events of one of a choice's job events; its log-probabilities ride on the first."""
+    delta, calls = _take(reply, kind, value)
+    out, logprobs, i = [], delta.logprobs, reply.index
+    if delta.text:
+        out.append(chunks.text(delta.text, i, logprobs))
+        logprobs = None
+    if calls:
+        out.append(chunks.calls([c for _, c in calls], calls[0][0], i, logprobs))
+        logprobs = None
+    if reply.record is not None:
+        metrics = server.finished(reply, delta, reply.record, started)
+        out.append(chunks.finish(reply.finish_reason(delta), metrics, i, logprobs))
+    elif logprobs:  # tokens whose text is held back still: their entries come now
+        out.append(chunks.text("", i, logprobs))
+    return out
 
 
 def _routes(app: FastAPI, server: Server) -> None:
@@ -302,17 +406,24 @@ def _routes(app: FastAPI, server: Server) -> None:
         body: P.ChatCompletionRequest, request: Request, who: str | None = Depends(tenant)
     ) -> Any:
         started = time.perf_counter()
-        job = server.admit(body, request, who)
+        jobs = server.admit(body, request, who)
         if not body.stream:
-            response = await _whole(server, job, request, started)
+            response = await _whole(server, jobs, request, started)
             server.metrics.answered(200)
             return response
-        events = job.events()
-        await _first(events)
+        streams = [job.events() for job in jobs]
+        try:
+            for events in streams:
+                await _first(events)
+        except BaseException:
+            for events in streams:  # the other choices' jobs are cancelled
+                await events.aclose()
+            raise
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = P.Chunks(job.response_id, server.engine.model, include_usage)
+        chunks = P.Chunks(jobs[0].response_id, server.engine.model, include_usage)
         server.metrics.answered(200)
-        return StreamingResponse(_sse(server, events, chunks, started), media_type="text/event-stream")
+        replies = _sse(server, jobs, streams, chunks, started)
+        return StreamingResponse(replies, media_type="text/event-stream")
 
 
 def _error_handlers(app: FastAPI, server: Server) -> None:

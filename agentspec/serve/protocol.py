@@ -4,9 +4,12 @@ Pure data and functions (no model, no web framework), so every shape is unit-tes
 
 Request fields follow OpenAI's API, plus vLLM's ``cache_salt``. Fields an OpenAI client may send that
 change nothing here (``user``, ``metadata``, ``store``, ...) are accepted and ignored, as vLLM does;
-fields whose meaning this server cannot honour (``n`` > 1, log-probabilities, penalties, a logit
-bias) are refused with a 400 rather than silently dropped. ``temperature`` defaults to 1, as in
-OpenAI's API (``ChatSpecDecode`` defaults to 0: send ``temperature=0`` for its greedy replies).
+fields whose meaning this server cannot honour (penalties, a logit bias) are refused with a 400
+rather than silently dropped. ``logprobs``/``top_logprobs`` are the target's raw log-probabilities
+(``agentspec.logprobs``); ``n`` choices share one prefill and decode together; ``priority`` (vLLM's:
+lower first) orders prompts competing for a pass's rows (``agentspec.scheduler``). ``temperature``
+defaults to 1, as in OpenAI's API (``ChatSpecDecode`` defaults to 0: send ``temperature=0`` for its
+greedy replies).
 
 Responses carry ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens restored from the
 prefix cache) and ``metrics``: ``speculative_decoding`` with vLLM's per-request field names and
@@ -20,8 +23,9 @@ import json
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentspec.config import MAX_LOGPROBS
 from agentspec.stats import DecodeStats
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
@@ -52,20 +56,28 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: a prefix-cache namespace
-    # accepted only at the values that change nothing
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # choices; at most the server's max-num-seqs (each is a sequence)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    priority: int = 0  # vLLM's: lower is served first where the scheduler has a choice
+    # accepted only at the values that change nothing
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        """``GenerationConfig.logprobs``: the alternatives per token (None: no logprobs asked for)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> str | None:
         """The first field set to a value this server cannot honour, or None."""
-        if self.n != 1:
-            return "n"
-        if self.logprobs or self.top_logprobs:
-            return "logprobs" if self.logprobs else "top_logprobs"
         if self.frequency_penalty:  # 0 and None both mean no penalty
             return "frequency_penalty"
         if self.presence_penalty:
@@ -108,12 +120,16 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def usage(stats: DecodeStats) -> dict[str, Any]:
+def usage(stats: DecodeStats, completion_tokens: int | None = None, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage of a request: its prompt once, the tokens of every choice (``completion_tokens``;
+    None: ``stats``' own), the prompt tokens read from the prefix cache (None: ``stats``' own)."""
+    completion = stats.output_tokens if completion_tokens is None else completion_tokens
+    cached = stats.cached_tokens if cached_tokens is None else cached_tokens
     return {
         "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.output_tokens,
-        "total_tokens": stats.prompt_tokens + stats.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "completion_tokens": completion,
+        "total_tokens": stats.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -159,24 +175,30 @@ def message(text: str, calls: list[dict]) -> dict[str, Any]:
     return out
 
 
-def completion(
-    completion_id: str,
-    model: str,
-    text: str,
-    calls: list[dict],
-    reason: str,
-    stats: DecodeStats,
-    metrics: dict,
-) -> dict[str, Any]:
+def logprobs_of(content: list[dict] | None) -> dict | None:
+    """A choice's ``logprobs``: OpenAI's object around the entries (None: none were asked for)."""
+    return None if content is None else {"content": content, "refusal": None}
+
+
+def choice(index: int, text: str, calls: list[dict], reason: str, logprobs: list[dict] | None) -> dict:
+    """One choice of a whole ``chat.completion``."""
+    return {
+        "index": index,
+        "message": message(text, calls),
+        "logprobs": logprobs_of(logprobs),
+        "finish_reason": reason,
+    }
+
+
+def completion(completion_id: str, model: str, choices: list[dict], usage: dict, metrics: dict) -> dict:
     """The whole ``chat.completion`` object of a reply that was not streamed."""
-    choice = {"index": 0, "message": message(text, calls), "logprobs": None, "finish_reason": reason}
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": usage(stats),
+        "choices": choices,
+        "usage": usage,
         "metrics": metrics,
     }
 
@@ -188,10 +210,14 @@ class Chunks:
         self.id, self.model, self.include_usage = completion_id, model, include_usage
         self.created = int(time.time())
 
-    def event(self, delta: dict | None, reason: str | None = None, **extra: Any) -> str:
-        choices = (
-            [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
-        )
+    def event(
+        self, delta: dict | None, reason: str | None = None, index: int = 0, logprobs=None, **extra: Any
+    ) -> str:
+        """A chunk with choice ``index``'s ``delta`` (None: no choice, the usage chunk)."""
+        choices = []
+        if delta is not None:
+            lp = logprobs_of(logprobs)
+            choices = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]
         body = {
             "id": self.id,
             "object": "chat.completion.chunk",
@@ -202,22 +228,24 @@ class Chunks:
         }
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def start(self) -> str:
-        return self.event({"role": "assistant", "content": ""})
+    def start(self, index: int = 0) -> str:
+        return self.event({"role": "assistant", "content": ""}, index=index)
 
-    def text(self, text: str) -> str:
-        return self.event({"content": text})
+    def text(self, text: str, index: int = 0, logprobs: list[dict] | None = None) -> str:
+        return self.event({"content": text}, index=index, logprobs=logprobs)
 
-    def calls(self, calls: list[dict], first_index: int) -> str:
+    def calls(self, calls: list[dict], first_index: int, index: int = 0, logprobs=None) -> str:
         """Whole calls, each as one indexed ``tool_calls`` entry (name and all its arguments at once)."""
         entries = [{"index": first_index + i, **call} for i, call in enumerate(calls)]
-        return self.event({"tool_calls": entries})
+        return self.event({"tool_calls": entries}, index=index, logprobs=logprobs)
 
-    def finish(self, reason: str, stats: DecodeStats, metrics: dict) -> list[str]:
-        """The chunk with the finish reason (and the metrics), the usage chunk when asked for, [DONE]."""
-        out = [self.event({}, reason, metrics=metrics)]
-        if self.include_usage:
-            out.append(self.event(None, usage=usage(stats)))
+    def finish(self, reason: str, metrics: dict, index: int = 0, logprobs=None) -> str:
+        """Choice ``index``'s chunk with its finish reason (and the metrics)."""
+        return self.event({}, reason, index=index, logprobs=logprobs, metrics=metrics)
+
+    def end(self, usage: dict) -> list[str]:
+        """The usage chunk when asked for, then [DONE]."""
+        out = [self.event(None, usage=usage)] if self.include_usage else []
         return [*out, "data: [DONE]\n\n"]
 
     @staticmethod

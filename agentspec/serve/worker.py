@@ -34,7 +34,7 @@ from opentelemetry.trace import SpanKind
 from agentspec.chat import ChatCall, new_response_id, prepare_call
 from agentspec.chat import run as run_call
 from agentspec.config import GenerationConfig
-from agentspec.decode import CallRecord, ContextLengthExceeded
+from agentspec.decode import CallRecord, ContextLengthExceeded, prefill
 from agentspec.models import ModelPair
 from agentspec.serve.protocol import DEFAULT_TEMPERATURE, APIError, ChatCompletionRequest
 from agentspec.telemetry import Telemetry
@@ -51,7 +51,9 @@ class Engine:
     telemetry: Telemetry
 
 
-def generation_config(body: ChatCompletionRequest) -> GenerationConfig:
+def generation_config(body: ChatCompletionRequest, index: int = 0) -> GenerationConfig:
+    """Choice ``index``'s options: a seeded request's choices draw from seeds ``seed + index``, so the
+    request gives the same n choices each time, and they differ from one another."""
     temperature = body.temperature if body.temperature is not None else DEFAULT_TEMPERATURE
     limit = body.length_limit
     return GenerationConfig(
@@ -59,11 +61,28 @@ def generation_config(body: ChatCompletionRequest) -> GenerationConfig:
         temperature=temperature,
         top_p=body.top_p,
         stop=body.stop_strings,
-        seed=body.seed,
+        seed=None if body.seed is None else (body.seed + index) % 2**64,
+        logprobs=body.logprob_count,
+        priority=body.priority,
     )
 
 
-def prepared(engine: Engine, body: ChatCompletionRequest) -> ChatCall:
+class SharedPrefill:
+    """The prompt of one request's n choices, prefilled once (``agentspec.decode.prefill``) by the
+    first choice's thread to get here; the others wait for it, then restore it from the prefix cache
+    as the first does, and every choice decodes as it would alone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.restored: int | None = None  # prompt tokens the cache held before the request
+
+    def run(self, pair: ModelPair, ids: list[int], namespace: str | None) -> None:
+        with self._lock:
+            if self.restored is None:
+                self.restored, _ = prefill(pair, ids, True, namespace)
+
+
+def prepared(engine: Engine, body: ChatCompletionRequest, index: int = 0) -> ChatCall:
     """``body`` prepared as ``ChatSpecDecode`` prepares a call with the same messages and options
     (``agentspec.chat.prepare_call``: greedy replies are the same); what is wrong with it is an
     ``APIError`` 400."""
@@ -71,7 +90,7 @@ def prepared(engine: Engine, body: ChatCompletionRequest) -> ChatCall:
         return prepare_call(
             engine.pair,
             body.messages,
-            generation_config(body),
+            generation_config(body, index),
             body.tools,
             body.tool_choice,
             body.response_format,
@@ -99,6 +118,8 @@ class Job:
     conversation_id: str | None = None  # the caller's session (its X-Session-ID header), on the span
     response_id: str = field(default_factory=new_response_id)  # the response's id, on the span too
     ended: asyncio.Future | None = None  # done when ``run`` has returned (``start``)
+    index: int = 0  # the choice this job decodes, of the request's n
+    shared: SharedPrefill | None = None  # with n > 1: the choices' one prefill
 
     def start(self, executor: Executor) -> asyncio.Future:
         """Run the request on a thread of ``executor``; the future is ``ended``."""
@@ -108,7 +129,7 @@ class Job:
     def run(self) -> None:
         """The whole request, in the calling (worker) thread; every outcome ends up on the queue."""
         try:
-            call = prepared(self.engine, self.body)
+            call = prepared(self.engine, self.body, self.index)
             self._put("ready", None)
             self._decode(call)
         except BaseException as exc:  # handed to the loop, which answers with it
@@ -135,6 +156,8 @@ class Job:
             kind=SpanKind.SERVER,
         )
         trace = engine.telemetry.call(info)
+        if self.shared is not None:
+            self.shared.run(engine.pair, call.request.prompt.ids, self.namespace)
         deltas = run_call(call, engine.drafter, True, self.namespace, self.cancelled)
         last = None
         try:
@@ -207,17 +230,17 @@ class Admission:
         self.active = 0
         self.held: dict[str | None, int] = {}  # requests admitted, by tenant (None: no key)
 
-    def enter(self, tenant: str | None) -> Verdict:
-        """Admit a request of ``tenant`` (its key's id; None without keys), or say why not. A full
-        server is checked first: with one key or none the share is the whole limit, and a full
-        server is the answer."""
+    def enter(self, tenant: str | None, n: int = 1) -> Verdict:
+        """Admit a request of ``tenant`` (its key's id; None without keys) with ``n`` sequences (its
+        choices), or say why not. A full server is checked first: with one key or none the share
+        is the whole limit, and a full server is the answer."""
         held = self.held.get(tenant, 0)
-        if self.active >= self.limit:
+        if self.active + n > self.limit:
             return Verdict.FULL
-        if held >= self.share:
+        if held + n > self.share:
             return Verdict.OVER_SHARE
-        self.active += 1
-        self.held[tenant] = held + 1
+        self.active += n
+        self.held[tenant] = held + n
         return Verdict.ADMITTED
 
     def leave(self, tenant: str | None) -> None:

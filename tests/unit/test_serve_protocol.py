@@ -75,6 +75,8 @@ def test_usage_carries_cached_tokens():
         "total_tokens": 29,
         "prompt_tokens_details": {"cached_tokens": 12},
     }
+    # n choices: the prompt once, every choice's tokens, the cache's hits before the request
+    assert P.usage(_stats(), completion_tokens=30, cached_tokens=0)["total_tokens"] == 50
 
 
 def _request(**fields) -> P.ChatCompletionRequest:
@@ -84,12 +86,23 @@ def _request(**fields) -> P.ChatCompletionRequest:
 def test_request_fields_this_server_cannot_honour():
     assert _request().unsupported() is None
     assert _request(n=1, presence_penalty=0, logprobs=False, user="u", store=False).unsupported() is None
-    assert _request(n=2).unsupported() == "n"
-    assert _request(logprobs=True).unsupported() == "logprobs"
-    assert _request(top_logprobs=3).unsupported() == "top_logprobs"
+    assert _request(n=4, logprobs=True, top_logprobs=3, priority=-2).unsupported() is None
     assert _request(frequency_penalty=0.5).unsupported() == "frequency_penalty"
     assert _request(presence_penalty=-1).unsupported() == "presence_penalty"
     assert _request(logit_bias={"5": 10}).unsupported() == "logit_bias"
+
+
+def test_logprobs_n_and_priority_reach_the_generation_config():
+    assert _request().logprob_count is None and _request(logprobs=True).logprob_count == 0
+    config = generation_config(_request(logprobs=True, top_logprobs=5, seed=7, priority=3), index=2)
+    assert (config.logprobs, config.seed, config.priority) == (5, 9, 3)  # choice 2 of a seeded request
+    assert generation_config(_request(), index=2).seed is None
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs"):
+        _request(top_logprobs=2)
+    with pytest.raises(ValueError):
+        _request(logprobs=True, top_logprobs=21)
+    with pytest.raises(ValueError):
+        _request(n=0)
 
 
 def test_request_length_stop_and_temperature():
@@ -134,14 +147,18 @@ def test_chunks_are_sse_events_in_openais_shape():
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     entry = _data(chunks.calls([call], 2))["choices"][0]["delta"]["tool_calls"][0]
     assert entry == {"index": 2, **call}
-    finish, usage, done = (_data(e) for e in chunks.finish("stop", _stats(), {"speculative_decoding": {}}))
+    finish = _data(chunks.finish("stop", {"speculative_decoding": {}}))
     assert finish["choices"][0]["finish_reason"] == "stop" and finish["metrics"] == {
         "speculative_decoding": {}
     }
+    usage, done = (_data(e) for e in chunks.end(P.usage(_stats())))
     assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 12}
     assert done == "[DONE]"
-    quiet = P.Chunks("chatcmpl-1", "m", include_usage=False).finish("length", _stats(), {})
-    assert len(quiet) == 2 and _data(quiet[-1]) == "[DONE]"
+    quiet = P.Chunks("chatcmpl-1", "m", include_usage=False).end(P.usage(_stats()))
+    assert len(quiet) == 1 and _data(quiet[-1]) == "[DONE]"
+    entry = {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
+    second = _data(chunks.text("Hi", index=1, logprobs=[entry]))["choices"][0]
+    assert second["index"] == 1 and second["logprobs"] == {"content": [entry], "refusal": None}
 
 
 def test_error_body_is_openais():
@@ -178,6 +195,8 @@ def test_admission_counts_sequences_with_a_share_per_key():
     assert keyed.active == 0 and keyed.held == {}  # a key with nothing in flight keeps no entry
 
     assert Admission(4, keys=1).share == 4  # a lone key may use every slot
+    choices = Admission(4)  # a request's n choices are n sequences
+    assert choices.enter(None, 3) is Verdict.ADMITTED and choices.enter(None, 2) is Verdict.FULL
     assert Admission(2, keys=3).share == 1  # more keys than slots: one each, first come
     with pytest.raises(ValueError):
         Admission(0)
