@@ -5,10 +5,12 @@ The engine side of the HTTP path, part of the core (its web dependencies are the
 in-process LangChain chat model (``agentspec.chat``: ``prepare``, ``reply_deltas``), so greedy
 replies over HTTP are the ones ``ChatSpecDecode`` gives for the same messages.
 
-protocol.py  the wire format: the request model, response and chunk bodies, vLLM's metrics names
-worker.py    one request's decode on a worker thread of its own; the bound on admitted requests
-metrics.py   Prometheus counters at /metrics (usage is counted on the server)
-app.py       create_app(pair, ...): routes, API keys and tenants, errors, streaming
+protocol.py    the wire format: the request model, response and chunk bodies, vLLM's metrics names
+worker.py      one request's decode on a worker thread of its own; the bound on admitted requests
+metrics.py     Prometheus counters at /metrics (usage is counted on the server)
+tokenize.py    vLLM's /tokenize and /detokenize, a conversation rendered as the chat route renders it
+request_id.py  X-Request-Id on every response (the request's, or one made for it)
+app.py         create_app(pair, ...): routes, API keys and tenants, errors, streaming
 """
 
 from agentspec.serve.app import create_app

@@ -1,8 +1,10 @@
 """The FastAPI app: OpenAI's chat-completions API over one model pair (``create_app``).
 
-Routes: ``POST /v1/chat/completions`` (whole or streamed as SSE), ``GET /v1/models``, ``GET /health``
-and ``GET /metrics`` (Prometheus). With API keys, every route but ``/health`` wants
-``Authorization: Bearer <key>`` (401 otherwise, as vLLM's ``--api-key``).
+Routes: ``POST /v1/chat/completions`` (whole or streamed as SSE), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``). Every
+response carries ``X-Request-Id``, the request's own or one made for it (``request_id``). With API
+keys, every route but ``/health`` wants ``Authorization: Bearer <key>`` (401 otherwise, as vLLM's
+``--api-key``).
 
 Tenants: each API key, and within it each request's ``cache_salt`` (vLLM's field), is a namespace
 of its own for the prefix cache and the drafting memory (``agentspec.stream``'s ``namespace``), so
@@ -48,6 +50,7 @@ from agentspec.chat import Delta, new_response_id, speculative_metadata
 from agentspec.decode import CallRecord
 from agentspec.models import ModelPair
 from agentspec.serve import protocol as P
+from agentspec.serve import request_id, tokenize
 from agentspec.serve.metrics import CONTENT_TYPE, ServerMetrics
 from agentspec.serve.worker import Admission, Engine, Job, SharedPrefill, Verdict
 from agentspec.telemetry import Telemetry
@@ -450,7 +453,9 @@ def _error_handlers(app: FastAPI, server: Server) -> None:
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
-        return answer(P.APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
+        # sent from outside every middleware (FastAPI's last resort), so the id is added here
+        headers = request_id.header(request.scope)
+        return answer(P.APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", headers=headers))
 
 
 def create_app(
@@ -484,5 +489,7 @@ def create_app(
     app = FastAPI(title="agentspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
     _routes(app, server)
+    tokenize.register(app, engine, server.tenant)
     _error_handlers(app, server)
+    app.add_middleware(request_id.RequestIdMiddleware)
     return app

@@ -98,8 +98,9 @@ def test_a_decode_that_fails_before_the_reply_answers_500(client, tiny_smol, mon
     salt = _salt()
     want = client.post(URL, json=_body(_salt())).json()  # the reply, from another namespace
     calls = fail_at(monkeypatch, tiny_smol.target, 0)  # the first pass: the prompt's prefill
-    failed = client.post(URL, json=_body(salt))
+    failed = client.post(URL, json=_body(salt), headers={"X-Request-Id": "req-7"})
     assert failed.status_code == 500 and failed.json() == _server_error()
+    assert failed.headers["X-Request-Id"] == "req-7"  # sent from outside the middleware, with the id
     assert len(calls) == 1  # nothing ran after the failed pass
     assert _answered(client.get("/metrics").text, 500) == 1
     assert _lock_is_free(tiny_smol)  # released in the worker's thread before the answer was sent
