@@ -396,3 +396,59 @@ def test_a_grammar_constrained_call_beside_free_calls(grammar_pair, hf_greedy, s
     assert results[0].token_ids == want
     for prompt, r in zip(prompts[1:], results[1:]):
         assert_same(grammar_pair.target, prompt, r.token_ids, hf_greedy(grammar_pair.target, prompt, 16))
+
+
+def test_the_most_urgent_of_competing_prompts_is_prefilled_first(bpair, cases, monkeypatch, hf_greedy):
+    """Two long prompts joining at once compete for the passes' rows: the one of lower ``priority``
+    feeds its chunks first and reaches its first token first, the other waits; both decode exactly."""
+    monkeypatch.setattr(bpair.scheduler, "prefill_chunk", 8)
+    prompts = [(cases[0][0] * 10)[:90], (cases[1][0] * 10)[:90]]
+    done: list[int] = []
+
+    def call(i: int, priority: int):
+        r = agentspec.generate(bpair, prompts[i], "none", False, max_new_tokens=1, priority=priority)
+        done.append(i)
+        return r
+
+    for urgent_one in (0, 1):
+        done.clear()
+        results = start_together(
+            bpair, [lambda i=i, u=urgent_one: call(i, 0 if i == u else 5) for i in (0, 1)]
+        )
+        assert done == [urgent_one, 1 - urgent_one]
+        for prompt, r in zip(prompts, results):
+            assert_same(bpair.target, prompt, r.token_ids, hf_greedy(bpair.target, prompt, 1))
+
+
+def test_calls_asking_for_logprobs_read_once_more_per_pass(bpair, cases):
+    """Beside other calls in packed passes, a call's log-probabilities are its solo ones, and the
+    host reads them in one more read per pass, however many calls ask."""
+    from agentspec.bench.syncs import HostSyncs
+
+    chosen = cases[:3]
+    solo = [
+        [
+            e
+            for s in agentspec.stream(bpair, p, "prompt_lookup", False, max_new_tokens=N_NEW, logprobs=2)
+            for e in s.logprobs
+        ]
+        for p, _ in chosen
+    ]
+    s = bpair.scheduler.stats
+    passes0 = s.passes
+    with HostSyncs(bpair) as syncs:
+        results = start_together(
+            bpair,
+            [
+                lambda p=p: list(
+                    agentspec.stream(bpair, p, "prompt_lookup", False, max_new_tokens=N_NEW, logprobs=2)
+                )
+                for p, _ in chosen
+            ],
+        )
+    for want, steps in zip(solo, results):
+        got = [e for step in steps for e in step.logprobs]
+        assert [e.token for e in got] == [e.token for e in want]
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    assert sum(step.drafted for steps in results for step in steps) > 0
+    assert syncs.count == 2 * (s.passes - passes0), syncs.where
