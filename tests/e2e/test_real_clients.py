@@ -55,7 +55,7 @@ class Answer(BaseModel):
 def server(tmp_path_factory):
     """The base URL of a running ``agentspec serve`` (stopped, and killed if need be, afterwards)."""
     port = free_port()
-    command = agentspec_serve_command(port, "--threads", "1", "--max-num-seqs", "2", "--api-key", KEY)
+    command = agentspec_serve_command(port, "--threads", "1", "--max-num-seqs", "4", "--api-key", KEY)
     command += ["--log-level", "warning"]
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with ServerProcess(
@@ -77,11 +77,10 @@ def _chat_openai(server: str, max_tokens: int = MAX_TOKENS, **options):
         base_url=f"{server}/v1",
         api_key=KEY,
         model=MODEL,  # another name is a 404, as in vLLM
-        temperature=0,
         max_tokens=max_tokens,
         max_retries=0,
         timeout=CALL_TIMEOUT_S,
-        **options,
+        **{"temperature": 0, **options},
     )
 
 
@@ -235,3 +234,62 @@ def test_x_request_id_is_echoed_or_made(server):
         answered = httpx.post(f"{server}{path}", json=body, headers=auth)
         assert answered.status_code == 200 and answered.headers["X-Request-Id"] == given
     assert httpx.get(f"{server}/health", headers={"X-Request-Id": given}).headers["X-Request-Id"] == given
+
+
+def _entries(content: list[dict]) -> list[tuple[str, float, list[str]]]:
+    return [(e["token"], e["logprob"], [t["token"] for t in e["top_logprobs"]]) for e in content]
+
+
+def _same_logprobs(got: list[dict], want: list[dict]) -> None:
+    assert [(t, top) for t, _, top in _entries(got)] == [(t, top) for t, _, top in _entries(want)]
+    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+
+
+def test_logprobs_through_chat_openai_and_the_openai_client_equal_in_process(server, local):
+    from langchain_agentspec import ChatSpecDecode
+
+    here = ChatSpecDecode(pair=local, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=3).invoke(GREETING)
+    want = here.response_metadata["logprobs"]["content"]
+    assert len(want) == here.usage_metadata["output_tokens"] - (
+        here.response_metadata["finish_reason"] == "stop"
+    )
+    remote = _chat_openai(server, logprobs=True, top_logprobs=3).invoke(GREETING)
+    assert remote.content == here.content
+    _same_logprobs(remote.response_metadata["logprobs"]["content"], want)
+    ours = ChatSpecDecode(
+        base_url=f"{server}/v1", api_key=KEY, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=3
+    )
+    _same_logprobs(ours.invoke(GREETING).response_metadata["logprobs"]["content"], want)
+    streamed = [c.response_metadata.get("logprobs", {}).get("content", []) for c in ours.stream(GREETING)]
+    _same_logprobs([e for part in streamed for e in part], want)
+
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colours."},
+    ]
+    stream = _client(f"{server}/v1").chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=3,
+        stream=True,
+    )  # fmt: skip
+    streamed = [
+        e.model_dump() for c in stream for ch in c.choices if ch.logprobs for e in ch.logprobs.content
+    ]
+    _same_logprobs(streamed, want)
+
+
+def test_n_choices_through_the_openai_client_and_chat_openai(server):
+    client = _client(f"{server}/v1")
+    messages = [{"role": "user", "content": "Write a word."}]
+    options = dict(model=MODEL, messages=messages, temperature=1.0, max_tokens=MAX_TOKENS, seed=5)
+    reply = client.chat.completions.create(n=3, **options)
+    texts = [c.message.content for c in reply.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert reply.usage.completion_tokens == sum(
+        client.chat.completions.create(**{**options, "seed": 5 + i}).usage.completion_tokens for i in range(3)
+    )
+    for i, text in enumerate(texts):  # choice i is the reply of seed + i alone
+        assert client.chat.completions.create(**{**options, "seed": 5 + i}).choices[0].message.content == text
+    from langchain_core.messages import HumanMessage
+
+    result = _chat_openai(server, n=3, temperature=1.0, seed=5).generate([[HumanMessage("Write a word.")]])
+    assert [g.message.content for g in result.generations[0]] == texts

@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
         "agentspec.grammar",
         "agentspec.text",
         "agentspec.verify",
+        "agentspec.logprobs",
         "agentspec.sampling",
         "agentspec.config",
         "agentspec.stats",

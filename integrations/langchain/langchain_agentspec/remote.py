@@ -85,7 +85,7 @@ SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key", "X-Dynamo-Session-ID")
 
 # Per-call arguments this path takes beyond tools and formats (the local drafting and cache options
 # are the server's business there).
-CALL_ARGS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "timeout"}
+CALL_ARGS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "timeout", "logprobs", "top_logprobs"}
 _RETRIED_STATUS = (502, 503, 504)
 # openai's client wants a key; a server that requires none ignores this one (vLLM's docs use "EMPTY")
 NO_KEY = "EMPTY"
@@ -259,9 +259,10 @@ class Reply:
         if self.text_calls is not None:
             text, calls = self._read(text, end=bool(own))
         calls += [self._call(c.index + self.shift, c.id, c.function) for c in own]
-        if not (text or calls):
+        logprobs = _logprobs(choice.logprobs)
+        if not (text or calls or logprobs):
             return None
-        return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls))
+        return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls, **logprobs))
 
     def whole(self, response: Any) -> list[ChatGenerationChunk]:
         """The chunks of a ``ChatCompletion`` (its content and calls, then the last one)."""
@@ -274,7 +275,7 @@ class Reply:
             self.text_calls = None  # the server found the calls itself: its text is as it sent it
         elif self.text_calls is not None:
             content, calls = self._read(content, end=True)
-        body = AIMessageChunk(content=content, tool_call_chunks=calls)
+        body = AIMessageChunk(content=content, tool_call_chunks=calls, **_logprobs(choice.logprobs))
         return [ChatGenerationChunk(message=body), self.last()]
 
     def _read(self, text: str, end: bool) -> tuple[str, list[dict]]:
@@ -345,6 +346,14 @@ class Reply:
             response_metadata=metadata,
         )
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": self.finish_reason})
+
+
+def _logprobs(logprobs: Any) -> dict[str, Any]:
+    """A choice's ``logprobs`` as a chunk's ``response_metadata`` (merged across chunks, as
+    ChatOpenAI's), or nothing when the server sent none."""
+    if logprobs is None or not logprobs.content:
+        return {}
+    return {"response_metadata": {"logprobs": logprobs.model_dump(exclude_none=False)}}
 
 
 def usage_metadata(usage: Any) -> UsageMetadata | None:
