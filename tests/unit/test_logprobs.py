@@ -101,3 +101,23 @@ def test_top_zero_gives_the_token_alone_and_bad_values_are_refused(pair):
         GenerationConfig(logprobs=21)
     with pytest.raises(ValueError, match=">= 0"):
         GenerationConfig(logprobs=-1)
+
+
+def test_openai_entries_name_each_token_and_leave_out_the_end_of_sequence(fake_tokenizer):
+    from agentspec.chat.logprobs import LogprobFormat
+    from agentspec.logprobs import TokenLogprob
+
+    tokenizer = fake_tokenizer(pieces=PIECES + [f"q{i}" for i in range(64 - len(PIECES))], eos_token_id=EOS)
+    form = LogprobFormat(tokenizer, {EOS})
+    entries = [TokenLogprob(12, -0.25, ((12, -0.25), (0, -2.0))), TokenLogprob(EOS, -0.1, ((EOS, -0.1),))]
+    assert form.content(entries) == [
+        {
+            "token": "ab",
+            "logprob": -0.25,
+            "bytes": [97, 98],
+            "top_logprobs": [
+                {"token": "ab", "logprob": -0.25, "bytes": [97, 98]},
+                {"token": "[", "logprob": -2.0, "bytes": [91]},
+            ],
+        }
+    ]
