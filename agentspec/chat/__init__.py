@@ -6,6 +6,7 @@ prompt.py      messages -> prompt through the chat template (the Hermes fallback
 tool_calls.py  tool calls found in model output, whole or streamed
 request.py     prepare() and prepare_call() (one request fitted to a pair), ReplyParser
 reply.py       run(): a prepared call decoded into text, whole calls and the finish, then its record
+completion.py  prepare_completion(): a plain prompt (text or ids) as a call, no template or grammar
 """
 
 from agentspec.chat.prompt import Prompt, render, tool_call_text

@@ -1,10 +1,10 @@
-"""The FastAPI app: OpenAI's chat-completions API over one model pair (``create_app``).
+"""The FastAPI app: OpenAI's chat-completions and completions APIs over one model pair (``create_app``).
 
-Routes: ``POST /v1/chat/completions`` (whole or streamed as SSE), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``). Every
-response carries ``X-Request-Id``, the request's own or one made for it (``request_id``). With API
-keys, every route but ``/health`` wants ``Authorization: Bearer <key>`` (401 otherwise, as vLLM's
-``--api-key``).
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (whole or streamed as SSE),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize`` and
+``/detokenize`` (``tokenize``). Every response carries ``X-Request-Id``, the request's own or one
+made for it (``request_id``). With API keys, every route but ``/health`` wants ``Authorization:
+Bearer <key>`` (401 otherwise, as vLLM's ``--api-key``).
 
 Tenants: each API key, and within it each request's ``cache_salt`` (vLLM's field), is a namespace
 of its own for the prefix cache and the drafting memory (``agentspec.stream``'s ``namespace``), so
@@ -21,6 +21,11 @@ Tracing: the W3C ``traceparent`` (and ``tracestate``) of a request is the parent
 (``agentspec.telemetry``), so the span joins the caller's trace. Usage is counted on this side, in
 the span's metrics and in ``/metrics``; a client must not count the same tokens again.
 
+Both completion routes run the same way: each choice is a ``worker.Job`` decoding a prepared
+``ChatCall`` (a chat request's, or a completion's prompt as it is), admitted together
+(``Server.admit``), their events merged into one response or one stream (``answer``); only the
+shape of the replies is the route's own (``replies.ChatForm``, ``replies.TextForm``).
+
 Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request
 that cannot be served as sent (FastAPI's 422 included: OpenAI clients expect 400), 401, 404 for
 another model's name, 429 for a key over its share, 503 for a full server, 500 for a failure while
@@ -31,12 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -46,13 +53,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentspec.chat import Delta, new_response_id, speculative_metadata
-from agentspec.decode import CallRecord
+from agentspec.chat import ChatCall, new_response_id
 from agentspec.models import ModelPair
 from agentspec.serve import protocol as P
 from agentspec.serve import request_id, tokenize
 from agentspec.serve.metrics import CONTENT_TYPE, ServerMetrics
-from agentspec.serve.worker import Admission, Engine, Job, SharedPrefill, Verdict
+from agentspec.serve.replies import ChatForm, Form, Metrics, Reply, TextForm, take
+from agentspec.serve.worker import (
+    Admission,
+    Engine,
+    Job,
+    SharedPrefill,
+    Verdict,
+    prepared,
+    prepared_completion,
+)
 from agentspec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -61,6 +76,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_SEQS = 16
 SESSION_HEADER = "x-session-id"  # the caller's conversation id, as routers read it for session affinity
 RETRY_AFTER_S = 1  # a full server's (or a key's full share's) hint: a request decodes in seconds here
+Prepare = Callable[[int], ChatCall]  # one prompt's call for choice j of its n (j: the seed's offset)
 
 
 def key_id(key: str) -> str:
@@ -104,9 +120,17 @@ class Server:
             headers={"WWW-Authenticate": "Bearer"},
         )
 
-    def admit(self, body: P.ChatCompletionRequest, request: Request, tenant: str | None) -> list[Job]:
-        """The request's jobs, one per choice, started on worker threads; 400/404/429/503 when they
-        cannot be."""
+    def admit(
+        self,
+        body: P.GenerationRequest,
+        request: Request,
+        tenant: str | None,
+        prompts: Sequence[Prepare],
+        response_id: str,
+    ) -> list[Job]:
+        """The request's jobs, ``body.n`` per prompt (``prompts``: each one's call for choice ``j`` of
+        its n), started on worker threads; 400/404/429/503 when they cannot be. Choice ``j`` of
+        prompt ``p`` is the response's choice ``p * n + j``, and a prompt's choices share its prefill."""
         bad = body.unsupported()
         if bad is not None:
             raise P.APIError(400, f"{bad} is not supported by this server", param=bad, code="unsupported")
@@ -114,30 +138,35 @@ class Server:
             raise P.APIError(
                 404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
             )
-        if body.n > self.admission.share:  # it could never be admitted: not a matter of retrying
+        n, sequences = body.n, body.n * len(prompts)
+        if sequences > self.admission.share:  # it could never be admitted: not a matter of retrying
             most = f"this server decodes at most {self.admission.share} sequences per key"
-            raise P.APIError(400, f"n={body.n}: {most}", param="n")
-        self._enter(tenant, body.n)
-        loop = asyncio.get_running_loop()
-        shared = SharedPrefill() if body.n > 1 else None
-        response_id = new_response_id()
-        jobs = []
-        for index in range(body.n):
-            self.metrics.admitted()
-            job = Job(
-                self.engine,
-                body,
-                namespace(tenant, body.cache_salt),
-                propagate.extract(request.headers),
-                loop,
-                conversation_id=request.headers.get(SESSION_HEADER) or None,
-                response_id=response_id,
-                index=index,
-                shared=shared,
+            what, param = (
+                (f"n={n}", "n") if len(prompts) == 1 else (f"{len(prompts)} prompts, n={n}", "prompt")
             )
-            self.jobs.add(job)
-            job.start(self.executor).add_done_callback(lambda _, job=job: self._left(job, tenant))
-            jobs.append(job)
+            raise P.APIError(400, f"{what}: {most}", param=param)
+        self._enter(tenant, sequences)
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for p, prepare in enumerate(prompts):
+            shared = SharedPrefill() if n > 1 else None
+            for j in range(n):
+                self.metrics.admitted()
+                job = Job(
+                    self.engine,
+                    functools.partial(prepare, j),
+                    body.stream,
+                    namespace(tenant, body.cache_salt),
+                    propagate.extract(request.headers),
+                    loop,
+                    conversation_id=request.headers.get(SESSION_HEADER) or None,
+                    response_id=response_id,
+                    index=p * n + j,
+                    shared=shared,
+                )
+                self.jobs.add(job)
+                job.start(self.executor).add_done_callback(lambda _, job=job: self._left(job, tenant))
+                jobs.append(job)
         return jobs
 
     def _enter(self, tenant: str | None, n: int) -> None:
@@ -169,8 +198,10 @@ class Server:
         self.admission.leave(tenant)
         self.metrics.left(job.closed_early)
 
-    def finished(self, reply: Reply, last: Delta, record: CallRecord, started: float) -> dict[str, Any]:
+    def finished(self, reply: Reply, started: float) -> dict[str, Any]:
         """The response's ``metrics`` of a finished reply (a choice), counted in ``/metrics`` too."""
+        last, record = reply.last, reply.record
+        assert last is not None and record is not None, "the reply is not finished"
         metrics = reply.metrics(last, record)
         spec_steps = metrics["speculative_decoding"]["num_spec_steps"]
         duration = time.perf_counter() - started
@@ -182,71 +213,6 @@ class Server:
         for job in list(self.jobs):
             job.cancelled.set()
         self.executor.shutdown(wait=True)
-
-
-class Reply:
-    """A reply (one choice) being put together from its deltas: content, valid calls, invalid calls."""
-
-    def __init__(self, index: int = 0) -> None:
-        self.index = index
-        self.text: list[str] = []
-        self.calls: list[dict] = []
-        self.invalid: list[dict] = []  # not OpenAI's: reported under metrics.agentspec
-        self.logprobs: list[dict] | None = None  # OpenAI's entries, when the request asked
-        self.last: Delta | None = None  # the delta with the finish reason, once it came
-        self.record: CallRecord | None = None  # the choice's record, once its decode is closed
-
-    def add(self, delta: Delta) -> list[dict]:
-        """Take ``delta``; returns its valid calls, each with its index among the reply's valid calls."""
-        self.text.append(delta.text)
-        if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
-        fresh = []
-        for call in delta.calls:
-            if "error" in call:
-                self.invalid.append(call)
-            else:
-                fresh.append((len(self.calls), call))
-                self.calls.append(call)
-        return fresh
-
-    def finish_reason(self, delta: Delta) -> str:
-        return P.finish_reason(delta.finish_reason or "stop", self.calls)
-
-    def choice(self) -> dict[str, Any]:
-        assert self.last is not None
-        text, reason = "".join(self.text), self.finish_reason(self.last)
-        return P.choice(self.index, text, self.calls, reason, self.logprobs)
-
-    def metrics(self, delta: Delta, record: CallRecord) -> dict[str, Any]:
-        """The response's ``metrics``: the call's record, as the span reports it."""
-        stats = delta.stats
-        own = {
-            **speculative_metadata(stats),
-            "cached_tokens": stats.cached_tokens,
-            "prefill_tokens": stats.prefill_tokens,
-            "forced_tokens": stats.forced_tokens,
-            "time_to_first_token_s": stats.time_to_first_token_s,
-            "latency_saved_s": record.latency_saved_s,
-            "baseline_s": record.baseline_s,
-            "decode_s": record.decode_s,
-            "cost_source": record.cost_source,
-        }
-        if self.invalid:
-            own["invalid_tool_calls"] = self.invalid
-        return {
-            "speculative_decoding": P.speculative_decoding(stats, record.longest_draft),
-            "agentspec": own,
-        }
-
-
-def usage(jobs: list[Job], replies: list[Reply]) -> dict[str, Any]:
-    """The request's usage: its prompt once, every choice's tokens, and the prompt tokens the prefix
-    cache held before it (with n > 1: before the choices' one prefill)."""
-    stats = replies[0].last.stats
-    shared = jobs[0].shared
-    cached = shared.restored if shared is not None else None
-    return P.usage(stats, sum(r.last.stats.output_tokens for r in replies), cached)
 
 
 async def _first(events: AsyncIterator) -> None:
@@ -301,56 +267,64 @@ async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, str,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _take(reply: Reply, kind: str, value: Any) -> tuple[Delta, list]:
-    """A job's "delta" or "finish" event taken into its reply: (the delta, its fresh valid calls)."""
-    delta, record = value if kind == "finish" else (value, None)
-    calls = reply.add(delta)
-    if record is not None:
-        reply.last, reply.record = delta, record
-    return delta, calls
-
-
-async def _whole(server: Server, jobs: list[Job], request: Request, started: float) -> dict[str, Any]:
-    replies = [Reply(job.index) for job in jobs]
+async def answer(
+    server: Server, jobs: list[Job], request: Request, form: Form, streamed: bool
+) -> dict[str, Any] | StreamingResponse:
+    """The response to a request whose ``jobs`` (its choices) were admitted, shaped by its route's
+    ``form``: once every job's call is prepared (an error in preparing one is raised here, before
+    any status line is sent, and cancels the others), the whole response or its stream of events."""
     streams = [job.events() for job in jobs]
-    watcher = asyncio.ensure_future(_until_disconnected(request, jobs))
-    merged = _merged(streams)
     try:
         for events in streams:
             await _first(events)
+    except BaseException:
+        for events in streams:  # the other choices' jobs are cancelled
+            await events.aclose()
+        raise
+    replies = [form.reply(job) for job in jobs]
+    if streamed:
+        server.metrics.answered(200)
+        return StreamingResponse(_sse(form, replies, streams), media_type="text/event-stream")
+    await _whole(jobs, replies, streams, request)
+    response = form.whole(replies)
+    server.metrics.answered(200)
+    return response
+
+
+async def _whole(
+    jobs: list[Job], replies: list[Reply], streams: list[AsyncIterator], request: Request
+) -> None:
+    """Every choice's events taken into its reply, to the end; a client that goes away cancels the jobs."""
+    watcher = asyncio.ensure_future(_until_disconnected(request, jobs))
+    merged = _merged(streams)
+    try:
         async for index, kind, value in merged:
-            _take(replies[index], kind, value)
+            take(replies[index], kind, value)
     finally:
         watcher.cancel()
         await _close(merged, streams)
     if any(r.record is None for r in replies):  # the client went away: nobody reads this
         raise P.APIError(499, "the client closed the request", code="client_closed")
-    metrics = [server.finished(r, r.last, r.record, started) for r in replies]
-    choices = [r.choice() for r in replies]
-    # with n > 1 the metrics are the first choice's (each choice is counted in /metrics)
-    return P.completion(jobs[0].response_id, server.engine.model, choices, usage(jobs, replies), metrics[0])
 
 
-async def _sse(
-    server: Server, jobs: list[Job], streams: list[AsyncIterator], chunks: P.Chunks, started: float
-) -> AsyncIterator[str]:
+async def _sse(form: Form, replies: list[Reply], streams: list[AsyncIterator]) -> AsyncIterator[str]:
     """The reply's choices as SSE events; a client that goes away cancels this generator, and so
     the jobs."""
-    replies = [Reply(job.index) for job in jobs]
     merged = _merged(streams)
     try:
         for reply in replies:
-            yield chunks.start(reply.index)
-        async for index, kind, value in merged:
-            for event in _events(server, chunks, replies[index], kind, value, started):
+            for event in form.start(reply):
                 yield event
-        for event in chunks.end(usage(jobs, replies)):
+        async for index, kind, value in merged:
+            for event in form.events(replies[index], kind, value):
+                yield event
+        for event in form.end(replies):
             yield event
     except P.APIError as exc:
-        yield chunks.error(exc)
+        yield P.Events.error(exc)
     except Exception as exc:
         log.exception("decoding failed mid-stream")
-        yield chunks.error(P.APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
+        yield P.Events.error(P.APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
     finally:
         await _close(merged, streams)
 
@@ -361,24 +335,6 @@ async def _close(merged: AsyncIterator, streams: list[AsyncIterator]) -> None:
     await merged.aclose()
     for events in streams:
         await events.aclose()
-
-
-def _events(server: Server, chunks: P.Chunks, reply: Reply, kind: str, value: Any, started: float) -> list:
-    """The SSE events of one of a choice's job events; its log-probabilities ride on the first."""
-    delta, calls = _take(reply, kind, value)
-    out, logprobs, i = [], delta.logprobs, reply.index
-    if delta.text:
-        out.append(chunks.text(delta.text, i, logprobs))
-        logprobs = None
-    if calls:
-        out.append(chunks.calls([c for _, c in calls], calls[0][0], i, logprobs))
-        logprobs = None
-    if reply.record is not None:
-        metrics = server.finished(reply, delta, reply.record, started)
-        out.append(chunks.finish(reply.finish_reason(delta), metrics, i, logprobs))
-    elif logprobs:  # tokens whose text is held back still: their entries come now
-        out.append(chunks.text("", i, logprobs))
-    return out
 
 
 def _routes(app: FastAPI, server: Server) -> None:
@@ -404,29 +360,28 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def metrics() -> Response:
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    def finished(started: float) -> Metrics:
+        return lambda reply: server.finished(reply, started)
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
         body: P.ChatCompletionRequest, request: Request, who: str | None = Depends(tenant)
     ) -> Any:
         started = time.perf_counter()
-        jobs = server.admit(body, request, who)
-        if not body.stream:
-            response = await _whole(server, jobs, request, started)
-            server.metrics.answered(200)
-            return response
-        streams = [job.events() for job in jobs]
-        try:
-            for events in streams:
-                await _first(events)
-        except BaseException:
-            for events in streams:  # the other choices' jobs are cancelled
-                await events.aclose()
-            raise
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = P.Chunks(jobs[0].response_id, server.engine.model, include_usage)
-        server.metrics.answered(200)
-        replies = _sse(server, jobs, streams, chunks, started)
-        return StreamingResponse(replies, media_type="text/event-stream")
+        prompt = functools.partial(prepared, server.engine, body)
+        jobs = server.admit(body, request, who, [prompt], new_response_id())
+        form = ChatForm(jobs, body, server.engine.model, finished(started))
+        return await answer(server, jobs, request, form, body.stream)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(
+        body: P.CompletionRequest, request: Request, who: str | None = Depends(tenant)
+    ) -> Any:
+        started = time.perf_counter()
+        prompts = [functools.partial(prepared_completion, server.engine, body, p) for p in body.prompts]
+        jobs = server.admit(body, request, who, prompts, f"cmpl-{uuid.uuid4().hex}")
+        form = TextForm(jobs, body, server.engine.model, finished(started))
+        return await answer(server, jobs, request, form, body.stream)
 
 
 def _error_handlers(app: FastAPI, server: Server) -> None:

@@ -1,4 +1,5 @@
-"""The OpenAI chat-completions wire format: the request the server accepts, the bodies it sends back.
+"""OpenAI's chat-completions and (legacy) completions wire formats: the requests the server accepts,
+the bodies it sends back.
 
 Pure data and functions (no model, no web framework), so every shape is unit-tested on its own.
 
@@ -11,6 +12,11 @@ lower first) orders prompts competing for a pass's rows (``agentspec.scheduler``
 defaults to 1, as in OpenAI's API (``ChatSpecDecode`` defaults to 0: send ``temperature=0`` for its
 greedy replies).
 
+A completion (``CompletionRequest``) takes vLLM's fields for the same options, its ``logprobs`` an
+integer (the alternatives per token) answered in the legacy shape (``text_logprobs``); ``echo`` is
+served without ``logprobs`` only (the prompt's own log-probabilities are not computed), and
+``suffix`` and a ``best_of`` other than ``n`` are refused.
+
 Responses carry ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens restored from the
 prefix cache) and ``metrics``: ``speculative_decoding`` with vLLM's per-request field names and
 meanings (``--per-request-spec-decode-metrics summary``), and ``agentspec``, this engine's own record
@@ -19,11 +25,20 @@ meanings (``--per-request-spec-decode-metrics summary``), and ``agentspec``, thi
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from agentspec.config import MAX_LOGPROBS
 from agentspec.stats import DecodeStats
@@ -35,46 +50,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with no choices and the usage
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions``'s body; messages, tools and formats are checked by
-    ``agentspec.chat.prepare`` (a ValueError there is a 400 too)."""
+class GenerationRequest(BaseModel):
+    """What a chat completion and a completion both carry: the model, how to sample, the choices,
+    streaming, the tenant's salt and the priority."""
 
     model_config = ConfigDict(extra="allow")
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
     model: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: a prefix-cache namespace
     n: int = Field(default=1, ge=1)  # choices; at most the server's max-num-seqs (each is a sequence)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     priority: int = 0  # vLLM's: lower is served first where the scheduler has a choice
     # accepted only at the values that change nothing
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:  # OpenAI's rule
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
-
-    @property
-    def logprob_count(self) -> int | None:
-        """``GenerationConfig.logprobs``: the alternatives per token (None: no logprobs asked for)."""
-        return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self) -> str | None:
         """The first field set to a value this server cannot honour, or None."""
@@ -85,13 +80,108 @@ class ChatCompletionRequest(BaseModel):
         return "logit_bias" if self.logit_bias else None
 
     @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        """A streamed reply ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    # each request reads these from its own fields
+    @property
+    def length_limit(self) -> int | None:
+        """The most tokens a choice may have (None: the room the prompt leaves in the context)."""
+        raise NotImplementedError
+
+    @property
+    def logprob_count(self) -> int | None:
+        """``GenerationConfig.logprobs``: the alternatives per token (None: no logprobs asked for)."""
+        raise NotImplementedError
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``'s body; messages, tools and formats are checked by
+    ``agentspec.chat.prepare`` (a ValueError there is a 400 too)."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
     def length_limit(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's current name), else the older ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+
+DEFAULT_MAX_TOKENS = 16  # a completion's length when the request names none (OpenAI's and vLLM's)
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``'s body (OpenAI's legacy completions, as vLLM serves them): a prompt
+    decoded as it is, no chat template, no grammar. ``prompt`` is a string, a list of token ids, or a
+    batch of either (each prompt's n choices are choices ``prompt_index * n + j``)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (vLLM's bound)
+    echo: bool = False  # the prompt's text before each choice's
+    # accepted only at the values that change nothing
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_forms(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:  # one message for the union, not one per form it is not
+            raise ValueError(
+                "prompt must be a string, a list of token ids, or a list of strings or of token-id lists"
+            ) from None
+
     @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or a list of token ids."""
+        one = isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
+
+    @property
+    def length_limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def unsupported(self) -> str | None:
+        """The first field set to a value this server cannot honour, or None: besides the penalties
+        and bias, a suffix (no fill-in-the-middle), ``best_of`` other than ``n`` (choices are not
+        ranked), and ``echo`` with ``logprobs`` (the prompt's own log-probabilities are not computed)."""
+        bad = super().unsupported()
+        if bad is not None:
+            return bad
+        if self.suffix:
+            return "suffix"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return "echo" if self.echo and self.logprobs is not None else None
 
 
 class APIError(Exception):
@@ -120,15 +210,22 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def usage(stats: DecodeStats, completion_tokens: int | None = None, cached_tokens: int | None = None) -> dict:
-    """OpenAI's usage of a request: its prompt once, the tokens of every choice (``completion_tokens``;
-    None: ``stats``' own), the prompt tokens read from the prefix cache (None: ``stats``' own)."""
+def usage(
+    stats: DecodeStats,
+    completion_tokens: int | None = None,
+    cached_tokens: int | None = None,
+    prompt_tokens: int | None = None,
+) -> dict:
+    """OpenAI's usage of a request: its prompt once (``prompt_tokens``, a batch's prompts each once;
+    None: ``stats``' own), the tokens of every choice (``completion_tokens``; None: ``stats``' own),
+    the prompt tokens read from the prefix cache (None: ``stats``' own)."""
+    prompt = stats.prompt_tokens if prompt_tokens is None else prompt_tokens
     completion = stats.output_tokens if completion_tokens is None else completion_tokens
     cached = stats.cached_tokens if cached_tokens is None else cached_tokens
     return {
-        "prompt_tokens": stats.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": stats.prompt_tokens + completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
 
@@ -190,11 +287,19 @@ def choice(index: int, text: str, calls: list[dict], reason: str, logprobs: list
     }
 
 
-def completion(completion_id: str, model: str, choices: list[dict], usage: dict, metrics: dict) -> dict:
-    """The whole ``chat.completion`` object of a reply that was not streamed."""
+def completion(
+    completion_id: str,
+    model: str,
+    choices: list[dict],
+    usage: dict,
+    metrics: dict,
+    kind: str = "chat.completion",
+) -> dict:
+    """The whole ``chat.completion`` object of a reply that was not streamed (``kind``
+    "text_completion": a completion's)."""
     return {
         "id": completion_id,
-        "object": "chat.completion",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": choices,
@@ -203,12 +308,63 @@ def completion(completion_id: str, model: str, choices: list[dict], usage: dict,
     }
 
 
-class Chunks:
-    """The ``chat.completion.chunk`` events of one streamed reply, as SSE ``data:`` lines."""
+def text_logprobs(content: list[dict], offset: int = 0) -> dict[str, list]:
+    """A completion's ``logprobs`` (the legacy shape, as vLLM answers it) of OpenAI's chat entries
+    (``agentspec.chat.logprobs``): each token's text and log-probability; ``top_logprobs`` one dict
+    per token, its text first and then its alternatives' (up to k + 1 keys, as vLLM's); ``text_offset``
+    each token's offset in the completion's text, from ``offset``, counted in token texts (vLLM's)."""
+    starts = list(itertools.accumulate((len(e["token"]) for e in content), initial=offset))
+    top = [
+        {e["token"]: e["logprob"], **{t["token"]: t["logprob"] for t in e["top_logprobs"]}} for e in content
+    ]
+    return {
+        "tokens": [e["token"] for e in content],
+        "token_logprobs": [e["logprob"] for e in content],
+        "top_logprobs": top,
+        "text_offset": starts[:-1],
+    }
+
+
+def text_choice(index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+    """One choice of a ``text_completion``, whole or a chunk's."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+class Events:
+    """The chunks of one streamed reply, objects of kind ``object``, as SSE ``data:`` lines."""
+
+    object = ""
 
     def __init__(self, completion_id: str, model: str, include_usage: bool):
         self.id, self.model, self.include_usage = completion_id, model, include_usage
         self.created = int(time.time())
+
+    def chunk(self, choices: list[dict], **extra: Any) -> str:
+        body = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def end(self, usage: dict) -> list[str]:
+        """The usage chunk (no choices) when asked for, then [DONE]."""
+        out = [self.chunk([], usage=usage)] if self.include_usage else []
+        return [*out, "data: [DONE]\n\n"]
+
+    @staticmethod
+    def error(exc: APIError) -> str:
+        """An error after the stream began (its status line is already sent): the body as an event."""
+        return f"data: {json.dumps(exc.body(), ensure_ascii=False)}\n\n"
+
+
+class Chunks(Events):
+    """The ``chat.completion.chunk`` events of one streamed reply."""
+
+    object = "chat.completion.chunk"
 
     def event(
         self, delta: dict | None, reason: str | None = None, index: int = 0, logprobs=None, **extra: Any
@@ -218,15 +374,7 @@ class Chunks:
         if delta is not None:
             lp = logprobs_of(logprobs)
             choices = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]
-        body = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return self.chunk(choices, **extra)
 
     def start(self, index: int = 0) -> str:
         return self.event({"role": "assistant", "content": ""}, index=index)
@@ -243,12 +391,15 @@ class Chunks:
         """Choice ``index``'s chunk with its finish reason (and the metrics)."""
         return self.event({}, reason, index=index, logprobs=logprobs, metrics=metrics)
 
-    def end(self, usage: dict) -> list[str]:
-        """The usage chunk when asked for, then [DONE]."""
-        out = [self.event(None, usage=usage)] if self.include_usage else []
-        return [*out, "data: [DONE]\n\n"]
 
-    @staticmethod
-    def error(exc: APIError) -> str:
-        """An error after the stream began (its status line is already sent): the body as an event."""
-        return f"data: {json.dumps(exc.body(), ensure_ascii=False)}\n\n"
+class TextChunks(Events):
+    """The ``text_completion`` chunks of one streamed completion."""
+
+    object = "text_completion"
+
+    def text(
+        self, index: int, text: str, logprobs: dict | None = None, reason: str | None = None, **extra
+    ) -> str:
+        """Choice ``index``'s next ``text`` (with its tokens' ``text_logprobs``; the last with its
+        finish reason and the metrics)."""
+        return self.chunk([text_choice(index, text, reason, logprobs)], **extra)

@@ -1,4 +1,4 @@
-"""One request's call on a worker thread of its own, its deltas handed to the event loop through a queue.
+"""One choice's call on a worker thread of its own, its deltas handed to the event loop through a queue.
 
 Every admitted request decodes at once: its call is a sequence in the pair's scheduler
 (``agentspec.scheduler``), whose thread runs one target forward per pass over the new rows of every
@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +33,17 @@ from opentelemetry.trace import SpanKind
 
 from agentspec.chat import ChatCall, new_response_id, prepare_call
 from agentspec.chat import run as run_call
+from agentspec.chat.completion import prepare_completion
 from agentspec.config import GenerationConfig
 from agentspec.decode import CallRecord, ContextLengthExceeded, prefill
 from agentspec.models import ModelPair
-from agentspec.serve.protocol import DEFAULT_TEMPERATURE, APIError, ChatCompletionRequest
+from agentspec.serve.protocol import (
+    DEFAULT_TEMPERATURE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+)
 from agentspec.telemetry import Telemetry
 from agentspec.telemetry.otel import CallInfo
 
@@ -51,7 +58,7 @@ class Engine:
     telemetry: Telemetry
 
 
-def generation_config(body: ChatCompletionRequest, index: int = 0) -> GenerationConfig:
+def generation_config(body: GenerationRequest, index: int = 0) -> GenerationConfig:
     """Choice ``index``'s options: a seeded request's choices draw from seeds ``seed + index``, so the
     request gives the same n choices each time, and they differ from one another."""
     temperature = body.temperature if body.temperature is not None else DEFAULT_TEMPERATURE
@@ -102,12 +109,28 @@ def prepared(engine: Engine, body: ChatCompletionRequest, index: int = 0) -> Cha
         raise APIError(400, f"{type(exc).__name__}: {exc}", param="messages") from exc
 
 
+def prepared_completion(
+    engine: Engine, body: CompletionRequest, prompt: str | list[int], index: int = 0
+) -> ChatCall:
+    """One of ``body``'s prompts prepared as it is (``agentspec.chat.completion``: no template, no
+    grammar), with choice ``index``'s options; what is wrong with it is an ``APIError`` 400."""
+    try:
+        return prepare_completion(engine.pair, prompt, generation_config(body, index))
+    except ContextLengthExceeded as exc:
+        raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from exc
+    except ValueError as exc:  # an empty prompt, an id outside the vocabulary
+        raise APIError(400, str(exc), param="prompt") from exc
+
+
 @dataclass(eq=False)  # one job is equal only to itself (the server keeps a set of them)
 class Job:
-    """One request: prepared and decoded by ``run`` on a worker thread, read by ``events`` on the loop."""
+    """One choice of a request: its call prepared and decoded by ``run`` on a worker thread, read by
+    ``events`` on the loop. ``prepare`` makes the call (a chat request's or a completion's prompt, with
+    the choice's options), on the worker thread: rendering and compiling a grammar keep the loop free."""
 
     engine: Engine
-    body: ChatCompletionRequest
+    prepare: Callable[[], ChatCall]  # the call to decode; what is wrong with the request: an APIError
+    streamed: bool  # the client reads the reply as it comes (recorded on the span)
     namespace: str | None  # the tenant's prefix-cache namespace and drafting memory (None: shared)
     parent: Any  # the OpenTelemetry Context of the caller's traceparent (the span's parent)
     loop: asyncio.AbstractEventLoop
@@ -118,8 +141,9 @@ class Job:
     conversation_id: str | None = None  # the caller's session (its X-Session-ID header), on the span
     response_id: str = field(default_factory=new_response_id)  # the response's id, on the span too
     ended: asyncio.Future | None = None  # done when ``run`` has returned (``start``)
-    index: int = 0  # the choice this job decodes, of the request's n
-    shared: SharedPrefill | None = None  # with n > 1: the choices' one prefill
+    index: int = 0  # the choice this job decodes, in the response
+    shared: SharedPrefill | None = None  # with n > 1: the prompt's choices' one prefill
+    call: ChatCall | None = None  # what it decodes, once prepared (set before "ready")
 
     def start(self, executor: Executor) -> asyncio.Future:
         """Run the request on a thread of ``executor``; the future is ``ended``."""
@@ -129,9 +153,9 @@ class Job:
     def run(self) -> None:
         """The whole request, in the calling (worker) thread; every outcome ends up on the queue."""
         try:
-            call = prepared(self.engine, self.body, self.index)
+            self.call = self.prepare()
             self._put("ready", None)
-            self._decode(call)
+            self._decode(self.call)
         except BaseException as exc:  # handed to the loop, which answers with it
             self._put("error", exc)
 
@@ -148,7 +172,7 @@ class Job:
             engine.model,
             call.config,
             True,
-            streamed=self.body.stream,
+            streamed=self.streamed,
             parent=self.parent,
             conversation_id=self.conversation_id,
             response_id=self.response_id,

@@ -5,7 +5,8 @@ One server process for the module (``agentspec serve`` on 127.0.0.1, one torch t
 started before the tests and always stopped after them, as in ``test_serve.py``. Every greedy reply
 (temperature 0) is compared with ``ChatSpecDecode``'s in this process for the same messages, tools
 and structured-output method: the server and the chat model share one request layer, so they agree
-token for token. vLLM's ``/tokenize`` and ``/detokenize`` are read through the openai client's
+token for token; a greedy ``/v1/completions`` is ``agentspec.stream``'s over the prompt's ids, its
+log-probabilities included. vLLM's ``/tokenize`` and ``/detokenize`` are read through the openai client's
 low-level ``post``, their counts checked against the chat route's usage for the same conversation.
 """
 
@@ -148,6 +149,33 @@ def test_openai_client_chat_and_stream_equal_in_process(server, local):
         model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == here.content
+
+
+def test_openai_client_completions_equal_in_process(server, local):
+    prompt = "The capital of France is"
+    ids = local.tokenizer(prompt)["input_ids"]
+    steps = list(agentspec.stream(local, ids, max_new_tokens=MAX_TOKENS, logprobs=2))  # greedy
+    here = [e for step in steps for e in step.logprobs if e.token not in local.eos_token_ids]
+    text = "".join(step.text for step in steps)
+    client = _client(f"{server}/v1")
+    ask = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
+    whole = client.completions.create(**ask)
+    (choice,) = whole.choices
+    assert whole.object == "text_completion" and choice.text == text
+    assert choice.finish_reason == steps[-1].finish_reason
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
+        len(ids),
+        steps[-1].stats.output_tokens,
+    )
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [local.tokenizer.decode([e.token]) for e in here]
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in here], abs=1e-3)
+    assert [next(iter(top)) for top in logprobs.top_logprobs] == logprobs.tokens  # each token first
+
+    chunks = [c for chunk in client.completions.create(**ask, stream=True) for c in chunk.choices]
+    assert "".join(c.text for c in chunks) == text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == logprobs.tokens
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == logprobs.text_offset
 
 
 def _tokenize(client: openai.OpenAI, **body) -> dict:
