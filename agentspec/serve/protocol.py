@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import (
@@ -50,6 +51,61 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with no choices and the usage
 
 
+def _off(value: Any) -> bool:
+    return not value  # None, False, 0, an empty list or mapping
+
+
+def _none(value: Any) -> bool:
+    return value is None
+
+
+def _one(value: Any) -> bool:
+    return value is None or value == 1
+
+
+def _on(value: Any) -> bool:
+    return value is None or value is True
+
+
+# Fields of OpenAI's and vLLM's requests that would change a reply, with the test of the value at
+# which they change nothing (what clients send by default): any other value is refused (400, code
+# "unsupported", the field as ``param``) rather than silently ignored. docs/serving.md gives why.
+NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    # sampling this server's verification does not reproduce (penalties, biases, bans, beams)
+    "frequency_penalty": _off,
+    "presence_penalty": _off,
+    "repetition_penalty": _one,
+    "length_penalty": _one,
+    "logit_bias": _off,
+    "min_p": _off,
+    "min_tokens": _off,
+    "ignore_eos": _off,
+    "stop_token_ids": _off,
+    "bad_words": _off,
+    "allowed_token_ids": _off,
+    "use_beam_search": _off,
+    "include_stop_str_in_output": _off,
+    "skip_special_tokens": _on,
+    # what it does not compute or return
+    "prompt_logprobs": _none,
+    "logprob_token_ids": _none,
+    "return_tokens_as_token_ids": _off,
+    "truncate_prompt_tokens": _none,
+    # vLLM's own structured-output fields: response_format and tools say the same in OpenAI's terms
+    "structured_outputs": _none,
+    "guided_json": _none,
+    "guided_regex": _none,
+    "guided_choice": _none,
+    "guided_grammar": _none,
+    # rendering: the server renders every conversation with the model's template and its generation prompt
+    "chat_template": _none,
+    "chat_template_kwargs": _none,
+    "documents": _none,
+    "add_generation_prompt": _on,
+    "continue_final_message": _off,
+}
+
+
 class GenerationRequest(BaseModel):
     """What a chat completion and a completion both carry: the model, how to sample, the choices,
     streaming, the tenant's salt and the priority."""
@@ -66,18 +122,20 @@ class GenerationRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: a prefix-cache namespace
     n: int = Field(default=1, ge=1)  # choices; at most the server's max-num-seqs (each is a sequence)
     priority: int = 0  # vLLM's: lower is served first where the scheduler has a choice
-    # accepted only at the values that change nothing
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's (0 and -1: all tokens, as there)
 
     def unsupported(self) -> str | None:
-        """The first field set to a value this server cannot honour, or None."""
-        if self.frequency_penalty:  # 0 and None both mean no penalty
-            return "frequency_penalty"
-        if self.presence_penalty:
-            return "presence_penalty"
-        return "logit_bias" if self.logit_bias else None
+        """The first field (``NEUTRAL``'s) set to a value this server cannot honour, or None; fields
+        no client sends with a meaning (``user``, ``metadata``, ``store``, ...) are ignored, as vLLM does."""
+        extra = self.model_extra or {}
+        return next(
+            (name for name, neutral in NEUTRAL.items() if name in extra and not neutral(extra[name])), None
+        )
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        """``GenerationConfig.top_k``: None for vLLM's "all tokens" (None, 0 or -1)."""
+        return self.top_k if self.top_k is not None and self.top_k > 0 else None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

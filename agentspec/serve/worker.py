@@ -67,6 +67,7 @@ def generation_config(body: GenerationRequest, index: int = 0) -> GenerationConf
         max_new_tokens=limit if limit is not None else 1 << 30,  # cut to the context's room by fitted()
         temperature=temperature,
         top_p=body.top_p,
+        top_k=body.top_k_or_none,
         stop=body.stop_strings,
         seed=None if body.seed is None else (body.seed + index) % 2**64,
         logprobs=body.logprob_count,

@@ -90,6 +90,26 @@ def test_request_fields_this_server_cannot_honour():
     assert _request(frequency_penalty=0.5).unsupported() == "frequency_penalty"
     assert _request(presence_penalty=-1).unsupported() == "presence_penalty"
     assert _request(logit_bias={"5": 10}).unsupported() == "logit_bias"
+    # vLLM's extras: accepted at the values clients send by default, refused at any other
+    defaults = dict(
+        repetition_penalty=1.0, min_p=0, ignore_eos=False, stop_token_ids=[], skip_special_tokens=True
+    )
+    assert _request(**defaults, add_generation_prompt=True, top_k=-1).unsupported() is None
+    for field, value in [
+        ("repetition_penalty", 1.2),
+        ("min_p", 0.1),
+        ("ignore_eos", True),
+        ("min_tokens", 3),
+        ("stop_token_ids", [7]),
+        ("chat_template", "{{x}}"),
+        ("guided_json", {}),
+        ("prompt_logprobs", 1),
+        ("continue_final_message", True),
+        ("skip_special_tokens", False),
+    ]:
+        assert _request(**{field: value}).unsupported() == field, field
+    assert _request(top_k=-1).top_k_or_none is None and _request(top_k=0).top_k_or_none is None
+    assert generation_config(_request(top_k=5)).top_k == 5
 
 
 def test_logprobs_n_and_priority_reach_the_generation_config():
