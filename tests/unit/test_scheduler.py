@@ -400,24 +400,24 @@ def test_a_grammar_constrained_call_beside_free_calls(grammar_pair, hf_greedy, s
 
 def test_the_most_urgent_of_competing_prompts_is_prefilled_first(bpair, cases, monkeypatch, hf_greedy):
     """Two long prompts joining at once compete for the passes' rows: the one of lower ``priority``
-    feeds its chunks first and reaches its first token first, the other waits; both decode exactly."""
+    feeds its prompt first and reaches its first token in an earlier pass, the other waits; both
+    decode exactly."""
     monkeypatch.setattr(bpair.scheduler, "prefill_chunk", 8)
     prompts = [(cases[0][0] * 10)[:90], (cases[1][0] * 10)[:90]]
-    done: list[int] = []
 
     def call(i: int, priority: int):
-        r = agentspec.generate(bpair, prompts[i], "none", False, max_new_tokens=1, priority=priority)
-        done.append(i)
-        return r
+        return list(agentspec.stream(bpair, prompts[i], "none", False, max_new_tokens=1, priority=priority))
 
     for urgent_one in (0, 1):
-        done.clear()
         results = start_together(
             bpair, [lambda i=i, u=urgent_one: call(i, 0 if i == u else 5) for i in (0, 1)]
         )
-        assert done == [urgent_one, 1 - urgent_one]
-        for prompt, r in zip(prompts, results):
-            assert_same(bpair.target, prompt, r.token_ids, hf_greedy(bpair.target, prompt, 1))
+        first = [steps[0].started for steps in results]  # when the pass giving each its token began
+        assert first[urgent_one] < first[1 - urgent_one]
+        for prompt, steps in zip(prompts, results):
+            assert_same(
+                bpair.target, prompt, [t for s in steps for t in s.tokens], hf_greedy(bpair.target, prompt, 1)
+            )
 
 
 def test_calls_asking_for_logprobs_read_once_more_per_pass(bpair, cases):
