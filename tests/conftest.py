@@ -159,6 +159,25 @@ def tiny_smol(one_thread) -> ModelPair:
     return ModelPair(target=model, tokenizer=tokenizer, name="tiny-smol", prefix_cache=PrefixCache(64 << 20))
 
 
+@pytest.fixture(scope="module")
+def tiny_app(tiny_smol):
+    """``agentspec serve``'s app on ``tiny_smol``, in this process (FastAPI's TestClient)."""
+    from fastapi.testclient import TestClient
+
+    from agentspec.serve import create_app
+
+    with TestClient(create_app(tiny_smol)) as client:
+        yield client
+
+
+def sse_events(text: str) -> list:
+    """A streamed response's ``data:`` events: JSON bodies, and "[DONE]"."""
+    import json
+
+    bodies = [line[len("data: ") :] for line in text.strip().split("\n\n")]
+    return [b if b == "[DONE]" else json.loads(b) for b in bodies]
+
+
 @pytest.fixture(scope="session")
 def hf_greedy():
     """transformers' own greedy decoding: the reference every speculative output must equal.

@@ -1,14 +1,13 @@
-"""The server's logprobs, n choices and priority, through the app (FastAPI's TestClient) on a tiny
+"""The server's logprobs and n choices, through the app (FastAPI's TestClient) on a tiny
 random model behind the embedded tokenizer: log-probabilities are the target's log-softmax at the
 emitted tokens (computed here with transformers directly), streamed or not; a request's n choices
 share one prefill, and choice i of a seeded request is the reply that seed + i gives alone."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from conftest import sse_events
 from fastapi.testclient import TestClient
 
 from agentspec.chat import prepare
@@ -19,22 +18,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MESSAGES = [{"role": "user", "content": "Count from one to ten, in words."}]
 
 
-def _events(text: str) -> list:
-    bodies = [line[len("data: ") :] for line in text.strip().split("\n\n")]
-    return [b if b == "[DONE]" else json.loads(b) for b in bodies]
-
-
 @pytest.fixture(scope="module")
-def client(tiny_smol):
-    with TestClient(create_app(tiny_smol)) as client:
-        yield client
+def client(tiny_app):
+    return tiny_app
 
 
 def _post(client, **fields) -> dict:
     body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0, **fields}
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
-    return response.json() if not fields.get("stream") else _events(response.text)
+    return response.json() if not fields.get("stream") else sse_events(response.text)
 
 
 @torch.inference_mode()

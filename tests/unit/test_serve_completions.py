@@ -6,9 +6,8 @@ answered in turn; what the server cannot honour is a 400 with OpenAI's body."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from conftest import sse_events
 from fastapi.testclient import TestClient
 
 import agentspec
@@ -21,22 +20,16 @@ PROMPT = "The three primary colours are"
 URL = "/v1/completions"
 
 
-def _events(text: str) -> list:
-    bodies = [line[len("data: ") :] for line in text.strip().split("\n\n")]
-    return [b if b == "[DONE]" else json.loads(b) for b in bodies]
-
-
 @pytest.fixture(scope="module")
-def client(tiny_smol):
-    with TestClient(create_app(tiny_smol)) as client:
-        yield client
+def client(tiny_app):
+    return tiny_app
 
 
 def _post(client, **fields):
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **fields}
     response = client.post(URL, json=body)
     assert response.status_code == 200, response.text
-    return response.json() if not fields.get("stream") else _events(response.text)
+    return response.json() if not fields.get("stream") else sse_events(response.text)
 
 
 def _ids(pair, text: str = PROMPT) -> list[int]:
