@@ -36,6 +36,12 @@ class GenerationConfig:
     # where the pair's scheduler has a choice (prompts competing for a pass's rows), lower goes first
     # (vLLM's order); calls of one priority share the rows as before
     priority: int = 0
+    # sampled calls: draw each output position with noise keyed by (seed, position) (the Gumbel-max
+    # trick: exactly the target's distribution), so the output is a function of the seed and the
+    # prompt alone, the same whatever was drafted, cached or decoded beside it, and equal to plain
+    # sampling's with that seed; drafts are then proposed and verified as greedy ones (a draft
+    # model's sampled q, which rejection sampling would use, is not). No seed: a random one.
+    reproducible: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,8 +75,8 @@ class GenerationConfig:
             _check_int("logprobs", self.logprobs, low=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs: at most {MAX_LOGPROBS} alternatives, got {self.logprobs}")
-        if not isinstance(self.speculative, bool) or not isinstance(self.jump_forward, bool):
-            raise TypeError("speculative and jump_forward must be bools")
+        if not all(isinstance(v, bool) for v in (self.speculative, self.jump_forward, self.reproducible)):
+            raise TypeError("speculative, jump_forward and reproducible must be bools")
         for s in self.stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop: every stop sequence must be a string, got {type(s).__name__}")

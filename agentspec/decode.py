@@ -23,10 +23,11 @@ from __future__ import annotations
 import logging
 import operator
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from agentspec.kv import ModelState, PassIds, to_device
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
 from agentspec.models import ModelPair
 from agentspec.packed import Read, Verdict, read_verdicts
-from agentspec.sampling import make_generator, probabilities
+from agentspec.sampling import keyed_scores, make_generator, probabilities
 from agentspec.scheduler import LOOKAHEAD
 from agentspec.stats import DecodeStats
 from agentspec.text import TextTracker
@@ -253,6 +254,8 @@ class _Call:
     out: list[int] = field(default_factory=list)  # the output so far
     passes: int = 0  # steps yielded so far
     draft_oom: bool = False  # the drafter was dropped out of memory: a failure of the pair's, not the call's
+    key: int | None = None  # a reproducible sampled call's seed: its draws are keyed by it and the position
+    draft_config: GenerationConfig | None = None  # what the drafter is told (greedy for a keyed call)
 
     @property
     def vocab(self) -> int:
@@ -290,6 +293,9 @@ def _begin(pair, ids: list[int], config, drafter, target, grammar, free_memory, 
     stats.cached_tokens = len(target.ids)
     stats.prefill_tokens = len(ids) - len(target.ids)
     eos = set(config.eos_token_ids) if config.eos_token_ids is not None else pair.eos_token_ids
+    key = None
+    if config.reproducible and not config.greedy:
+        key = config.seed if config.seed is not None else random.getrandbits(63)
     return _Call(
         pair,
         config,
@@ -306,6 +312,9 @@ def _begin(pair, ids: list[int], config, drafter, target, grammar, free_memory, 
         budget=min(config.max_new_tokens, context_room(pair, len(ids))),
         start=start,
         deadline=deadline,
+        key=key,
+        # a keyed call's output does not depend on its drafts: the likeliest ones serve it best
+        draft_config=config if key is None else replace(config, temperature=0.0),
     )
 
 
@@ -314,9 +323,9 @@ def _propose(call: _Call, seq: list[int], k: int) -> Draft:
     d, c = call.drafter, call.constraint
     try:
         if c is not None and d.masks_own_draft:
-            draft = d.propose(seq, k, call.config, call.gen, constraint=c)
+            draft = d.propose(seq, k, call.draft_config, call.gen, constraint=c)
         else:
-            draft = d.propose(seq, k, call.config, call.gen)
+            draft = d.propose(seq, k, call.draft_config, call.gen)
         return check_draft(draft, k, call.vocab)
     except Exception as exc:  # the target alone gives the same output: carry on without
         call.drop(exc)
@@ -426,7 +435,7 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
     # read before any draft is pushed: a drafter may draft up to the grammar's stop token on the path
     finished = c is not None and c.terminated
     # never draft past the token budget or the context window
-    cap = cap if call.config.greedy else None
+    cap = cap if call.config.greedy or call.key is not None else None
     tokens, q, n_jump, source = _draft(call, forced, room - len(forced) - 1, finished, cap)
     verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
     scored = call.config.logprobs is not None
@@ -436,7 +445,8 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
     if verified:
         on_device = isinstance(tokens, torch.Tensor)
         d = tokens if on_device else to_device(tokens, call.pair.device)  # [k]
-        q = q[: len(tokens)] if q is not None and not call.config.greedy else None
+        sampled = not call.config.greedy and call.key is None  # verified by rejection sampling
+        q = q[: len(tokens)] if q is not None and sampled else None
         d, p.q, p.bad = _guard(d, q, call.vocab, on_device)
         p.feed = PassIds(pending + forced, d)
         p.tap = call.drafter is not None and call.drafter.uses_target_hidden
@@ -471,7 +481,10 @@ def _verdict(call: _Call, p: _Pass, logits: torch.Tensor) -> Verdict:
         result = greedy_accept(d, logits)  # [2]
     else:
         probs = probabilities(logits, config.temperature, config.top_k, config.top_p)
-        result = speculative_accept(d, probs, p.q, call.gen)
+        if call.key is not None:  # each row's draw is keyed by its output position: verified as greedy
+            result = greedy_accept(d, keyed_scores(probs, call.key, len(call.out) + len(p.forced)))
+        else:
+            result = speculative_accept(d, probs, p.q, call.gen)
     parts = [result]
     if p.bad is not None:
         parts.append(p.bad.long().reshape(1).to(result.device))

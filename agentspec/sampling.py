@@ -39,6 +39,23 @@ def probabilities(
     return probs
 
 
+def keyed_scores(probs: torch.Tensor, seed: int, first: int) -> torch.Tensor:
+    """probs [rows, V] -> scores whose row-wise argmax is a draw from each row's distribution, drawn
+    with noise keyed by (``seed``, position ``first + row``) alone.
+
+    The exponential form of the Gumbel-max trick: with E_i ~ Exp(1) independent, argmax_i p_i / E_i
+    is token i with probability p_i exactly. Keyed by position, a call's draw at an output position
+    is a function of the seed, the position and the distribution there, and of nothing else: not of
+    how many tokens were drafted before it, nor of what ran beside it (``GenerationConfig.reproducible``).
+    """
+    noise = torch.empty_like(probs, dtype=torch.float32)
+    for row in range(probs.shape[0]):  # one short-lived generator per position (a pass has a few rows)
+        key = (seed * 0x9E3779B97F4A7C15 + first + row) % 2**64
+        gen = torch.Generator(device=probs.device).manual_seed(key)
+        noise[row].exponential_(generator=gen)
+    return probs / noise
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from probs [V]."""
     return int(torch.multinomial(probs, 1, generator=generator).item())

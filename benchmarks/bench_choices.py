@@ -49,7 +49,8 @@ CASES = {
     "n1": {"temperature": 0.8, "n": 1},
     "n4": {"temperature": 0.8, "n": 4},
 }
-BASE_CASES = ("plain",)  # an earlier agentspec answers neither logprobs nor n
+BASE_CASES = ("plain",)
+N = 4  # the choices of "n4"  # an earlier agentspec answers neither logprobs nor n
 
 
 def histories(count: int) -> list[list[dict]]:
@@ -99,36 +100,86 @@ def request(url: str, messages: list[dict], case: str, seed: int, max_tokens: in
     }
 
 
-def rounds(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
-    jobs = [(s, c) for s in urls for c in CASES if s != "base" or c in BASE_CASES]
+def jobs(urls: dict[str, str]) -> list[tuple[str, str, int]]:
+    """(server, case, seed offset): ``n1`` with the seeds of the four choices of ``n4``, so that n = 4
+    is set beside the single requests of its choices' lengths (agentspec's choice i is seed + i's)."""
     out = []
+    for server in urls:
+        for case in CASES if server != "base" else BASE_CASES:
+            out += [(server, case, k) for k in range(N if case == "n1" else 1)]
+    return out
+
+
+def rounds(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    todo, out = jobs(urls), []
     for r in range(args.rounds):
-        turn = jobs[r % len(jobs) :] + jobs[: r % len(jobs)]
+        turn = todo[r * 5 % len(todo) :] + todo[: r * 5 % len(todo)]
         for i, messages in enumerate(histories(args.prompts)):
-            for server, case in turn:
-                row = request(urls[server], messages, case, seed=r, max_tokens=args.max_tokens)
-                out.append({"round": r, "prompt": i, "server": server, "case": case, **row})
-                print(f"round {r} prompt {i} {server:9s} {case:8s} {row['seconds']:.2f} s "
+            for server, case, k in turn:
+                row = request(urls[server], messages, case, seed=r + k, max_tokens=args.max_tokens)
+                out.append({"round": r, "prompt": i, "server": server, "case": case, "seed": r + k, **row})
+                print(f"round {r} prompt {i} {server:9s} {case:8s} seed {r + k} {row['seconds']:.2f} s "
                       f"{row['completion_tokens']} tokens", flush=True)  # fmt: skip
     return out
 
 
+def _paired(rows: list[dict], server: str, case: str, against: str, of: str | None = None) -> list[float]:
+    """Per (round, prompt): ``server``'s ``case`` seconds over ``of``'s (default: the same server's)
+    ``against`` seconds, the same seed."""
+
+    def key(r: dict) -> tuple:
+        return r["round"], r["prompt"], r["seed"]
+
+    base = {key(r): r["seconds"] for r in rows if r["server"] == (of or server) and r["case"] == against}
+    return [
+        r["seconds"] / base[key(r)]
+        for r in rows
+        if r["server"] == server and r["case"] == case and key(r) in base
+    ]
+
+
+def choices(rows: list[dict], server: str) -> list[dict[str, Any]]:
+    """Each n = 4 request beside the single requests of its choices' seeds: its time over the longest
+    of them (one request of the same length) and over their sum (the four one after another)."""
+    out = []
+    for r in (r for r in rows if r["server"] == server and r["case"] == "n4"):
+        singles = [s for s in rows if s["server"] == server and s["case"] == "n1"
+                   and (s["round"], s["prompt"]) == (r["round"], r["prompt"])]  # fmt: skip
+        singles.sort(key=lambda s: s["seed"])
+        times = [s["seconds"] for s in singles]
+        t = r["seconds"]
+        out.append({
+            "round": r["round"], "prompt": r["prompt"],
+            "over_longest_single": t / max(times), "over_sum_of_singles": t / sum(times),
+            "choice_tokens": r["completion_tokens"],
+            "single_tokens": [s["completion_tokens"] for s in singles],
+            "choices_equal_their_seeds": r["texts"] == [s["texts"][0] for s in singles],
+        })  # fmt: skip
+    return out
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median seconds per (server, case), and the ratios the goals are on, per server."""
+    """Median seconds per (server, case), and the ratios the goals are on, per server (medians of
+    ratios taken side by side: same round, prompt and seed)."""
     median = {}
-    for server in {r["server"] for r in rows}:
+    for server in sorted({r["server"] for r in rows}):
         for case in CASES:
             times = [r["seconds"] for r in rows if r["server"] == server and r["case"] == case]
             if times:
                 median[f"{server}/{case}"] = statistics.median(times)
-    ratios = {}
+    ratios, n4 = {}, {}
     for server in ("agentspec", "vllm"):
-        if f"{server}/plain" in median:
-            ratios[f"{server}: logprobs / plain"] = median[f"{server}/logprobs"] / median[f"{server}/plain"]
-            ratios[f"{server}: n4 / n1"] = median[f"{server}/n4"] / median[f"{server}/n1"]
+        if f"{server}/plain" not in median:
+            continue
+        ratios[f"{server}: logprobs / plain"] = statistics.median(_paired(rows, server, "logprobs", "plain"))
+        n4[server] = choices(rows, server)
+        for what in ("over_longest_single", "over_sum_of_singles"):
+            ratios[f"{server}: n4 {what}"] = statistics.median(c[what] for c in n4[server])
     if "base/plain" in median:
-        ratios["agentspec plain / base plain"] = median["agentspec/plain"] / median["base/plain"]
-    return {"median_s": median, "ratios": ratios}
+        ratios["agentspec plain / base plain"] = statistics.median(
+            _paired(rows, "agentspec", "plain", "plain", "base")
+        )
+    return {"median_s": median, "ratios": ratios, "n4": n4}
 
 
 def main() -> None:

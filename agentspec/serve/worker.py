@@ -59,8 +59,10 @@ class Engine:
 
 
 def generation_config(body: GenerationRequest, index: int = 0) -> GenerationConfig:
-    """Choice ``index``'s options: a seeded request's choices draw from seeds ``seed + index``, so the
-    request gives the same n choices each time, and they differ from one another."""
+    """Choice ``index``'s options: a seeded request's choices draw from seeds ``seed + index``, each
+    keyed by position (``GenerationConfig.reproducible``), so the request gives the same n choices
+    each time, whatever the drafters learned or the cache holds by then, choice i is the reply that
+    seed + i gives alone, and the choices differ from one another."""
     temperature = body.temperature if body.temperature is not None else DEFAULT_TEMPERATURE
     limit = body.length_limit
     return GenerationConfig(
@@ -70,6 +72,7 @@ def generation_config(body: GenerationRequest, index: int = 0) -> GenerationConf
         top_k=body.top_k_or_none,
         stop=body.stop_strings,
         seed=None if body.seed is None else (body.seed + index) % 2**64,
+        reproducible=body.seed is not None,
         logprobs=body.logprob_count,
         priority=body.priority,
     )

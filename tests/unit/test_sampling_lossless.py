@@ -120,11 +120,11 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, f
     return stat, df, p_value
 
 
-def check_lossless(pair, prompt, drafter, n, temperature, top_p=None, top_k=None) -> str:
+def check_lossless(pair, prompt, drafter, n, temperature, top_p=None, top_k=None, reproducible=False) -> str:
     start = time.perf_counter()
     probs = exact_distribution(pair.target, prompt, temperature, top_k, top_p)
     counts, accepted, drafted = sample_counts(
-        pair, prompt, drafter, n, temperature=temperature, top_p=top_p, top_k=top_k
+        pair, prompt, drafter, n, temperature=temperature, top_p=top_p, top_k=top_k, reproducible=reproducible
     )
     stat, df, p_value = chi_square(counts, probs)
     tv = 0.5 * float((counts.double() / n - probs).abs().sum())
@@ -159,6 +159,19 @@ CONFIGS = [  # (drafter, temperature, top_p)
 )
 def test_speculative_sampling_is_lossless(spair, prompts, drafter, temperature, top_p, n):
     print(check_lossless(spair, prompts[drafter], drafter, n, temperature, top_p))
+
+
+@pytest.mark.parametrize(
+    ("drafter", "temperature", "top_p", "n"),
+    [
+        ("model", 0.9, 0.8, N_DEFAULT),
+        pytest.param("prompt_lookup", 1.3, None, N_SLOW, marks=pytest.mark.slow),
+    ],
+)
+def test_reproducible_sampling_is_lossless(spair, prompts, drafter, temperature, top_p, n):
+    """Draws keyed by (seed, position) (``GenerationConfig.reproducible``, the Gumbel-max trick) and
+    drafts verified as greedy ones: still exactly the target's distribution."""
+    print(check_lossless(spair, prompts[drafter], drafter, n, temperature, top_p, reproducible=True))
 
 
 @pytest.mark.parametrize(

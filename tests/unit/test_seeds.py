@@ -51,3 +51,29 @@ def test_a_seeded_call_is_not_disturbed_by_others(pair):
     run(pair, "model")  # unseeded
     run(pair, "none", temperature=0.0)
     assert run(pair, "model", seed=5) == first
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.8}, {"top_k": 4, "temperature": 0.7}])
+def test_a_reproducible_call_is_plain_seeded_sampling_whatever_drafts(pair, extra):
+    """``reproducible``: each position's draw is keyed by (seed, position), so the output is plain
+    sampling's with that seed, token for token, whichever drafter drafted and however much it got
+    right, and each seed gives its own output."""
+    outputs = set()
+    for seed in (0, 7, 99):
+        options = {**OPTIONS, **extra, "seed": seed, "reproducible": True}
+        plain = agentspec.generate(pair, PROMPT, "none", False, **{**options, "speculative": False})
+        for drafter in ("model", "prompt_lookup", "suffix"):
+            r = agentspec.generate(pair, PROMPT, drafter, False, **options)
+            assert r.token_ids == plain.token_ids, (seed, drafter)
+        outputs.add(tuple(plain.token_ids))
+    assert len(outputs) == 3
+
+
+def test_a_reproducible_call_draws_the_same_from_a_warm_cache(pair):
+    from agentspec.cache import PrefixCache
+
+    cache = PrefixCache(16 << 20)
+    options = {**OPTIONS, "seed": 3, "reproducible": True}
+    cold = agentspec.generate(pair, PROMPT, "model", cache, **options)
+    warm = agentspec.generate(pair, PROMPT, "model", cache, **options)
+    assert warm.stats.cached_tokens > 0 and warm.token_ids == cold.token_ids

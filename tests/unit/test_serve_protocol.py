@@ -116,7 +116,9 @@ def test_logprobs_n_and_priority_reach_the_generation_config():
     assert _request().logprob_count is None and _request(logprobs=True).logprob_count == 0
     config = generation_config(_request(logprobs=True, top_logprobs=5, seed=7, priority=3), index=2)
     assert (config.logprobs, config.seed, config.priority) == (5, 9, 3)  # choice 2 of a seeded request
-    assert generation_config(_request(), index=2).seed is None
+    assert config.reproducible  # keyed draws: the same request, the same choices
+    unseeded = generation_config(_request(), index=2)
+    assert unseeded.seed is None and not unseeded.reproducible
     with pytest.raises(ValueError, match="top_logprobs needs logprobs"):
         _request(top_logprobs=2)
     with pytest.raises(ValueError):
