@@ -100,18 +100,18 @@ def request(url: str, messages: list[dict], case: str, seed: int, max_tokens: in
     }
 
 
-def jobs(urls: dict[str, str]) -> list[tuple[str, str, int]]:
+def jobs(urls: dict[str, str], cases: list[str]) -> list[tuple[str, str, int]]:
     """(server, case, seed offset): ``n1`` with the seeds of the four choices of ``n4``, so that n = 4
     is set beside the single requests of its choices' lengths (agentspec's choice i is seed + i's)."""
     out = []
     for server in urls:
-        for case in CASES if server != "base" else BASE_CASES:
+        for case in [c for c in cases if server != "base" or c in BASE_CASES]:
             out += [(server, case, k) for k in range(N if case == "n1" else 1)]
     return out
 
 
 def rounds(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
-    todo, out = jobs(urls), []
+    todo, out = jobs(urls, args.cases.split(",")), []
     for r in range(args.rounds):
         turn = todo[r * 5 % len(todo) :] + todo[: r * 5 % len(todo)]
         for i, messages in enumerate(histories(args.prompts)):
@@ -169,12 +169,14 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 median[f"{server}/{case}"] = statistics.median(times)
     ratios, n4 = {}, {}
     for server in ("agentspec", "vllm"):
-        if f"{server}/plain" not in median:
-            continue
-        ratios[f"{server}: logprobs / plain"] = statistics.median(_paired(rows, server, "logprobs", "plain"))
-        n4[server] = choices(rows, server)
-        for what in ("over_longest_single", "over_sum_of_singles"):
-            ratios[f"{server}: n4 {what}"] = statistics.median(c[what] for c in n4[server])
+        if f"{server}/logprobs" in median and f"{server}/plain" in median:
+            ratios[f"{server}: logprobs / plain"] = statistics.median(
+                _paired(rows, server, "logprobs", "plain")
+            )
+        if f"{server}/n4" in median and f"{server}/n1" in median:
+            n4[server] = choices(rows, server)
+            for what in ("over_longest_single", "over_sum_of_singles"):
+                ratios[f"{server}: n4 {what}"] = statistics.median(c[what] for c in n4[server])
     if "base/plain" in median:
         ratios["agentspec plain / base plain"] = statistics.median(
             _paired(rows, "agentspec", "plain", "plain", "base")
@@ -192,6 +194,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--base", help="another checkout's root, served as 'base'")
     parser.add_argument("--vllm", action="store_true", help="vLLM beside it (.venv-vllm)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"a comma list of {', '.join(CASES)}")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/choices.json")
     args = parser.parse_args()
     logs = args.out.parent / "logs"
