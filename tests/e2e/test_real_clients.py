@@ -321,3 +321,12 @@ def test_n_choices_through_the_openai_client_and_chat_openai(server):
 
     result = _chat_openai(server, n=3, temperature=1.0, seed=5).generate([[HumanMessage("Write a word.")]])
     assert [g.message.content for g in result.generations[0]] == texts
+
+
+def test_a_seeded_sampled_reply_is_the_same_in_process_and_over_http(server, local):
+    """Seeded draws are keyed by position on both sides: the sample does not depend on what either
+    side's drafters learned or caches hold."""
+    from langchain_agentspec import ChatSpecDecode
+
+    here = ChatSpecDecode(pair=local, max_tokens=MAX_TOKENS, temperature=0.9, seed=11).invoke(GREETING)
+    assert _chat_openai(server, temperature=0.9, seed=11).invoke(GREETING).content == here.content

@@ -171,7 +171,8 @@ class ChatSpecDecode(BaseChatModel):
     """Stop strings: the reply ends right before the first one."""
 
     seed: int | None = None
-    """Seed for sampling: the same seed gives the same output."""
+    """Seed for sampling: the same seed gives the same output (``GenerationConfig.reproducible``: each
+    position's draw is keyed by the seed, whatever was drafted or cached), as over HTTP."""
 
     logprobs: bool | None = None
     """True: each reply token's log-probability under the target (before temperature, top-p and
@@ -517,6 +518,9 @@ class ChatSpecDecode(BaseChatModel):
             top_p=get("top_p", self.top_p),
             stop=tuple(get("stop", self.stop) or ()),
             seed=get("seed", self.seed),
+            # a seeded reply is a function of the seed and the messages (as the server's): the same
+            # whatever the drafters learned from earlier calls or the cache holds by then
+            reproducible=get("seed", self.seed) is not None,
             num_draft_tokens=get("max_draft_tokens", self.max_draft_tokens),
             speculative=speculative,
             jump_forward=speculative if jump_forward is None else jump_forward,
