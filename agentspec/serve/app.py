@@ -160,6 +160,7 @@ class Server:
                     propagate.extract(request.headers),
                     loop,
                     conversation_id=request.headers.get(SESSION_HEADER) or None,
+                    request_id=request_id.of(request.scope),
                     response_id=response_id,
                     index=p * n + j,
                     shared=shared,

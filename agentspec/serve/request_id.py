@@ -18,6 +18,11 @@ HEADER = "X-Request-Id"
 SCOPE_KEY = "agentspec.request_id"  # where the request's id waits in its scope
 
 
+def of(scope: Scope | dict[str, Any]) -> str | None:
+    """The id of the request ``scope`` belongs to (None: it never reached the middleware)."""
+    return scope.get(SCOPE_KEY)
+
+
 def header(scope: Scope | dict[str, Any]) -> dict[str, str]:
     """The ``X-Request-Id`` header of the request ``scope`` belongs to, for a response sent around
     the middleware (FastAPI sends an unhandled exception's 500 from outside every middleware); none

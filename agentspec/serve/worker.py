@@ -143,6 +143,7 @@ class Job:
     closed_early: bool = False  # cancelled before the reply finished
     record: CallRecord | None = None  # the call's record, once its decode is closed
     conversation_id: str | None = None  # the caller's session (its X-Session-ID header), on the span
+    request_id: str | None = None  # the request's X-Request-Id (taken or made), on the span too
     response_id: str = field(default_factory=new_response_id)  # the response's id, on the span too
     ended: asyncio.Future | None = None  # done when ``run`` has returned (``start``)
     index: int = 0  # the choice this job decodes, in the response
@@ -179,6 +180,7 @@ class Job:
             streamed=self.streamed,
             parent=self.parent,
             conversation_id=self.conversation_id,
+            request_id=self.request_id,
             response_id=self.response_id,
             request=call.request,
             kind=SpanKind.SERVER,

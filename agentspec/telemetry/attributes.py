@@ -52,6 +52,8 @@ REQUEST_SEED = "gen_ai.request.seed"
 REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
 REQUEST_STREAM = "gen_ai.request.stream"  # True: the caller received chunks; absent otherwise
 CONVERSATION_ID = "gen_ai.conversation.id"  # the caller's thread / session id, when it has one
+# a served request's X-Request-Id (OpenTelemetry's HTTP semantic conventions: http.request.header.<key>)
+REQUEST_ID_HEADER = "http.request.header.x-request-id"
 OUTPUT_TYPE = "gen_ai.output.type"  # "json" under a response_format, "text" otherwise
 RESPONSE_ID = "gen_ai.response.id"  # one per call; the LangChain reply's response_metadata["id"]
 # streamed calls: from the call's start to the first pass that released text or finished

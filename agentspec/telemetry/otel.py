@@ -184,7 +184,8 @@ class CallInfo:
     ``config`` and ``prefix_cache`` are what the call passes to ``agentspec.stream`` (``config`` None:
     refused before it had one); ``streamed`` whether the caller receives chunks; ``parent`` an
     OpenTelemetry Context whose span is the parent (None: the current one); ``conversation_id`` the
-    caller's thread or session id (None: it has none); ``response_id`` the id the caller gives the
+    caller's thread or session id (None: it has none); ``request_id`` a served request's
+    ``X-Request-Id``; ``response_id`` the id the caller gives the
     reply; ``request`` the prepared chat request, for its output type and (with content capture) its
     messages and tools; ``kind`` the span's kind (INTERNAL for a call in the caller's process, SERVER
     for one ``agentspec serve`` answers).
@@ -196,6 +197,7 @@ class CallInfo:
     streamed: bool = False
     parent: Any = None
     conversation_id: str | None = None
+    request_id: str | None = None  # a served request's X-Request-Id
     response_id: str | None = None
     request: PreparedRequest | None = None
     kind: SpanKind = SpanKind.INTERNAL
@@ -288,6 +290,8 @@ class CallTrace:
                 info.model, info.config, info.prefix_cache, info.streamed, info.conversation_id, output_type
             )
         )
+        if info.request_id is not None:  # OpenTelemetry's HTTP header attribute: a list of values
+            self.span.set_attribute(A.REQUEST_ID_HEADER, [info.request_id])
         if self.capture and request is not None:
             self.span.set_attributes(A.input_content_attributes(request.messages, request.tools))
 

@@ -385,8 +385,11 @@ def test_the_response_and_the_span_report_the_same_saving(tiny_smol):
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
     with TestClient(create_app(tiny_smol, tracer_provider=provider)) as client:
-        own = client.post("/v1/chat/completions", json=body).json()["metrics"]["agentspec"]
+        response = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "req-42"})
+        own = response.json()["metrics"]["agentspec"]
     (span,) = exporter.get_finished_spans()
     assert span.attributes[A.LATENCY_SAVED] == own["latency_saved_s"]
+    assert response.headers["x-request-id"] == "req-42"
+    assert span.attributes[A.REQUEST_ID_HEADER] == ("req-42",)  # the caller's id finds the span
     assert own["latency_saved_s"] == own["baseline_s"] - own["decode_s"]
     provider.shutdown()
