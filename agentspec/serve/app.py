@@ -201,12 +201,10 @@ class Server:
 
     def finished(self, reply: Reply, started: float) -> dict[str, Any]:
         """The response's ``metrics`` of a finished reply (a choice), counted in ``/metrics`` too."""
-        last, record = reply.last, reply.record
-        assert last is not None and record is not None, "the reply is not finished"
-        metrics = reply.metrics(last, record)
+        metrics = reply.metrics()
         spec_steps = metrics["speculative_decoding"]["num_spec_steps"]
         duration = time.perf_counter() - started
-        self.metrics.decoded(last.stats, spec_steps, record.latency_saved_s, duration)
+        self.metrics.decoded(reply.last.stats, spec_steps, reply.record.latency_saved_s, duration)
         return metrics
 
     def close(self) -> None:

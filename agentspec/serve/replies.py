@@ -52,9 +52,11 @@ class Reply:
         text, reason = "".join(self.text), self.finish_reason(self.last)
         return P.choice(self.index, text, self.calls, reason, self.logprobs)
 
-    def metrics(self, delta: Delta, record: CallRecord) -> dict[str, Any]:
-        """The response's ``metrics``: the call's record, as the span reports it."""
-        stats = delta.stats
+    def metrics(self) -> dict[str, Any]:
+        """A finished reply's ``metrics``: its call's record, as the span reports it."""
+        record = self.record
+        assert self.last is not None and record is not None, "the reply is not finished"
+        stats = self.last.stats
         own = {
             **speculative_metadata(stats),
             "cached_tokens": stats.cached_tokens,
