@@ -89,6 +89,12 @@ def grouped_sdpa_forward(
 ROW_BY_ROW_MAX = 32
 
 
+def invariant_rows(device: torch.device, dtype: torch.dtype) -> int | None:
+    """The most rows an agentspec pass on ``device`` in ``dtype`` computes each exactly as a one-row
+    pass would (``row_by_row``); None where no pass is held to that (float32, GPUs: see below)."""
+    return ROW_BY_ROW_MAX if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else None
+
+
 def row_by_row(query: torch.Tensor) -> bool:
     """Whether a pass's query rows attend one by one, each as a one-row pass would: in agentspec's own
     verify-sized passes (``kv.pass_rows``: one sequence, a causal mask after its cache; at most
@@ -100,13 +106,8 @@ def row_by_row(query: torch.Tensor) -> bool:
     per row and layer (a 5-row pass 9% slower, a 17-row one 37%, measured side by side). Elsewhere
     the rounding it would hide is float32's (token-identical in the tests) or a GPU's, whose linears
     are not row-invariant either (bfloat16 divergences are reported with their logit margins)."""
-    return (
-        query.device.type == "cpu"
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and query.shape[0] == 1
-        and query.shape[2] <= ROW_BY_ROW_MAX
-        and in_pass()
-    )
+    limit = invariant_rows(query.device, query.dtype)
+    return limit is not None and query.shape[0] == 1 and query.shape[2] <= limit and in_pass()
 
 
 def _row_by_row(module, query, key, value, dropout, scaling, **kwargs):

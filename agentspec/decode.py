@@ -436,6 +436,7 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
     finished = c is not None and c.terminated
     # never draft past the token budget or the context window
     cap = cap if call.config.greedy or call.key is not None else None
+    cap = _invariant_cap(call, len(pending) + len(forced), cap)
     tokens, q, n_jump, source = _draft(call, forced, room - len(forced) - 1, finished, cap)
     verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
     scored = call.config.logprobs is not None
@@ -451,6 +452,19 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
         p.feed = PassIds(pending + forced, d)
         p.tap = call.drafter is not None and call.drafter.uses_target_hidden
     return p
+
+
+def _invariant_cap(call: _Call, fed: int, cap: int | None) -> int | None:
+    """``cap``, lowered so that a pass feeding ``fed`` tokens before its draft keeps every row as a
+    one-row step computes it, where the pair's passes are row-invariant only up to some rows
+    (``attention.invariant_rows``: bfloat16 on a CPU). Past that, a pass's rows depend on its row
+    count, so drafts riding a prompt's pass would change the prompt's cache from plain decoding's:
+    the prompt goes alone (as plain decoding feeds it) and drafting starts at the next pass."""
+    limit = call.pair.invariant_rows if fed > 1 else None
+    if limit is None:
+        return cap
+    room = max(0, limit - fed - 1) if fed < limit else 0
+    return room if cap is None else min(cap, room)
 
 
 def _judge(call: _Call, p: _Pass, out) -> tuple[Verdict, torch.Tensor | None]:

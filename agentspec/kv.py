@@ -12,7 +12,7 @@ reads back once, with its own result). Their positions are ``unread`` until ``se
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -131,13 +131,14 @@ class PassLinears:
     model) keeps it; a linear put into a model later keeps ``F.linear`` (only speed is lost).
     """
 
-    def __init__(self, *models: torch.nn.Module):
+    def __init__(self, *models: torch.nn.Module, skip: Iterable[torch.nn.Module] = ()):
         self.linears: list[torch.nn.Linear] = []  # those given the forward here
         self.packed_bytes = 0  # held by the prepacked copies
         budget = _available_memory() * PACKED_MEMORY_SHARE
+        skipped = {id(m) for m in skip}  # never called in a pass (``lean.LeanForward.replaced``)
         for model in models:
             for m in model.modules():
-                if type(m) is not torch.nn.Linear or "forward" in vars(m):
+                if type(m) is not torch.nn.Linear or "forward" in vars(m) or id(m) in skipped:
                     continue
                 if _large(m):
                     m.forward = partial(_pass_forward, m, None)

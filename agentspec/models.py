@@ -28,12 +28,14 @@ from typing import Any
 import torch
 
 from agentspec import warm
-from agentspec.attention import use_grouped_sdpa
+from agentspec.attention import invariant_rows, use_grouped_sdpa
 from agentspec.cost import PairCost
 from agentspec.drafters.eagle import is_eagle
 from agentspec.drafters.tenants import TenantStore
 from agentspec.grammar import GrammarCompiler
 from agentspec.kv import PassLinears
+from agentspec.lean import LeanForward
+from agentspec.lean import supported as lean_supported
 from agentspec.scheduler import PREFILL_CHUNK, PREFILL_CHUNKS, Scheduler
 from agentspec.static_kv import StaticState
 
@@ -220,7 +222,8 @@ class ModelPair:
     cache namespaces its entries by it. Building a pair gives its CPU linears the pass paths of
     ``agentspec.kv.PassLinears`` (float32 weight-first, bfloat16 prepacked), which outside agentspec's
     own passes are ``F.linear``: a model passed in gives its other callers (``generate()``) the same
-    numbers.
+    numbers. A Llama or Qwen2 model gets ``agentspec.lean``'s forward for those passes, its q/k/v and
+    gate/up weights fused (its own parameters become views of them), transformers' forward elsewhere.
     """
 
     target: Any
@@ -252,6 +255,9 @@ class ModelPair:
     # the CPU linears of target and draft that compute agentspec's passes another way (weight-first,
     # prepacked), found once here (agentspec.kv.PassLinears)
     pass_linears: PassLinears = field(init=False, repr=False, compare=False)
+    # the lean forwards of target and draft, where their family has one (agentspec.lean): what
+    # agentspec's passes run instead of transformers' forward
+    lean: list[LeanForward] = field(init=False, repr=False, compare=False)
     # the tokenizer's grammar compiler, built on first use (``grammar_compiler``)
     _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False, compare=False)
     # the draft model's StaticState for a static draft cache (``draft_state``), built on first use
@@ -261,7 +267,11 @@ class ModelPair:
     )
 
     def __post_init__(self) -> None:
-        self.pass_linears = PassLinears(*(m for m in (self.target, self.draft) if m is not None))
+        models = [m for m in (self.target, self.draft) if m is not None]
+        self.lean = [LeanForward.install(m) for m in models if lean_supported(m)]
+        fused = torch.nn.ModuleList(linear for lean in self.lean for linear in lean.fused)
+        replaced = [linear for lean in self.lean for linear in lean.replaced]
+        self.pass_linears = PassLinears(*models, fused, skip=replaced)
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)
@@ -292,6 +302,12 @@ class ModelPair:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.target.parameters()).dtype
+
+    @property
+    def invariant_rows(self) -> int | None:
+        """The most rows a pass of the target computes each as a one-row pass does, where passes are
+        held to that (``attention.invariant_rows``); None: not held (the lossless tests bound them)."""
+        return invariant_rows(self.device, self.dtype)
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -52,6 +52,7 @@ class PackedPass:
         self, states: Sequence[ModelState], held: Sequence[int], lengths: Sequence[int], device: torch.device
     ):
         self.states = states
+        self.held = held  # each sequence's cached positions before the pass
         self.spans: list[tuple[int, int]] = []
         at = 0
         for n in lengths:

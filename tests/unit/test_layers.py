@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "agentspec.kv",
         "agentspec.packed",
+        "agentspec.lean",
         "agentspec.attention",
         "agentspec.grammar",
         "agentspec.text",

@@ -1,0 +1,254 @@
+"""A lean decoder forward for agentspec's own passes on Llama-family models (Llama, Qwen2).
+
+Why our own: transformers' eager forward of one decode step is thousands of small ops and module
+calls (mask building, per-layer kwargs, separate q/k/v and gate/up products, an 8-op RMSNorm), which
+on a small model or a GPU cost as much as the weights' reads (issue 29's profile: a 45 ms float32
+step after 400 tokens on this CPU spent ~11 ms in Python outside ops and ~8 ms in ~7,000 small ops,
+against 26 ms of linears). vLLM and gpt-fast run model code of their own for the same reason; this
+is that for the two families the library's pairs use, on agentspec's KV layout (``kv.GrowingLayer``),
+the packed pass (``agentspec.packed``) and the pass linears (``kv.PassLinears``):
+
+- q, k and v are one linear, and gate and up another (``Fused``: the model's parameters become views
+  of the fused weight, so no weight is held twice);
+- ``torch.rms_norm`` for each layer's norms; rotary embedding applied to q and k in one op set, from
+  the model's own ``rotary_emb`` (every RoPE scaling transformers knows);
+- attention straight to ``scaled_dot_product_attention`` per sequence, as ``agentspec_sdpa`` runs it
+  (one row: grouped heads; a bfloat16 verify pass on a CPU: row by row, which keeps it row-invariant;
+  otherwise query groups folded into rows over a causal mask);
+- the final norm only through the model's own module (an EAGLE head's hook reads it), the LM head
+  only over the rows a caller keeps.
+
+It runs only inside agentspec's passes (``kv.pass_rows``) over a ``DynamicCache`` of plain layers or
+a ``PackedPass``; every other call of the model (``generate()``, a compiled step, a user's own) is
+transformers' forward, unchanged. The lossless tests hold it to transformers' ``generate()``:
+float32 token-identical, bfloat16 identical but for near-ties.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from agentspec.attention import NAME as GROUPED_SDPA
+from agentspec.attention import fold_groups, row_by_row
+from agentspec.kv import GrowingLayer, in_pass
+from agentspec.packed import PackedPass, _causal
+
+# The model classes whose decoder layers this forward reproduces: pre-norm RMSNorm, rotary q/k, SiLU
+# gated MLP, optional q/k/v bias (Qwen2); a family with anything more (q/k norms, sliding windows,
+# soft-capping) keeps transformers' forward
+FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def supported(model: Any) -> bool:
+    """Whether ``model`` is one this forward reproduces (see FAMILIES), as loaded for agentspec: sdpa
+    attention, every layer full attention, plain linears, SiLU, no forward of its own already."""
+    if type(model).__name__ not in FAMILIES or "forward" in vars(model):
+        return False
+    config = model.config
+    if config._attn_implementation not in ("sdpa", GROUPED_SDPA) or config.hidden_act != "silu":
+        return False
+    if getattr(config, "use_sliding_window", False) or getattr(config, "mlp_bias", False):
+        return False
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return False
+    linears = [m for layer in model.model.layers for m in _layer_linears(layer)] + [model.lm_head]
+    return all(type(m) is torch.nn.Linear for m in linears)
+
+
+def _layer_linears(layer: Any) -> list[Any]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
+def _fuse(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
+    """One linear computing ``parts`` side by side; each part's weight (and bias) becomes a view of
+    the fused one, so the model computes as before and no weight is held twice."""
+    first = parts[0].weight
+    out = sum(p.out_features for p in parts)
+    bias = parts[0].bias is not None
+    fused = torch.nn.Linear(first.shape[1], out, bias=bias, device=first.device, dtype=first.dtype)
+    fused.requires_grad_(False)
+    with torch.no_grad():
+        at = 0
+        for p in parts:
+            n = p.out_features
+            fused.weight[at : at + n] = p.weight
+            p.weight = torch.nn.Parameter(fused.weight[at : at + n], requires_grad=p.weight.requires_grad)
+            if bias:
+                fused.bias[at : at + n] = p.bias
+                p.bias = torch.nn.Parameter(fused.bias[at : at + n], requires_grad=p.bias.requires_grad)
+            at += n
+    return fused
+
+
+class _Layer:
+    """One decoder layer's weights as the lean forward reads them."""
+
+    def __init__(self, layer: Any, index: int):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.index = index
+        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
+        self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
+        self.norm2, self.eps2 = (
+            layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.variance_epsilon,
+        )
+        self.intermediate = mlp.gate_proj.out_features
+
+
+class LeanForward:
+    """The lean forward of one model (see the module doc), installed as its instance ``forward``.
+
+    ``install`` fuses the weights and puts ``forward`` in front of the model's own: inside an
+    agentspec pass over a cache it can feed, the lean forward; every other call, transformers'.
+    ``fused`` are the fused linears (``kv.PassLinears`` gives them their pass paths) and ``replaced``
+    the model's linears they stand for in passes (never called in one: PassLinears skips them).
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.original = model.forward  # the bound transformers forward
+        decoder = model.model
+        config = model.config
+        self.embed = decoder.embed_tokens
+        self.rotary = decoder.rotary_emb
+        self.final_norm = decoder.norm
+        self.lm_head = model.lm_head
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = decoder.layers[0].self_attn.head_dim
+        self.scaling = decoder.layers[0].self_attn.scaling
+        self.replaced = [
+            m for layer in decoder.layers for m in _layer_linears(layer)[:3] + _layer_linears(layer)[4:6]
+        ]
+        self.layers = [_Layer(layer, i) for i, layer in enumerate(decoder.layers)]
+        self.fused = [m for layer in self.layers for m in (layer.qkv, layer.gate_up)]
+
+    @classmethod
+    def install(cls, model: Any) -> LeanForward:
+        lean = cls(model)
+        model.forward = partial(_dispatch, lean)
+        return lean
+
+    def feeds(self, cache: Any) -> bool:
+        """Whether ``cache`` is one the lean forward writes: a packed pass's, or a DynamicCache of
+        plain layers (a static, sliding or quantized one keeps transformers' forward)."""
+        if isinstance(cache, PackedPass):
+            return True
+        return type(cache) is DynamicCache and all(
+            type(x) in (DynamicLayer, GrowingLayer) for x in cache.layers
+        )
+
+    def __call__(self, input_ids, cache, logits_to_keep, position_ids=None, agentspec_pack=None):
+        """Logits of the kept rows [1, R, V] after feeding ``input_ids`` [1, T] (see the module doc)."""
+        if agentspec_pack is not None:
+            spans = [
+                (st.cache, h, a, b)
+                for st, h, (a, b) in zip(agentspec_pack.states, agentspec_pack.held, agentspec_pack.spans)
+            ]
+        else:
+            spans = [(cache, cache.get_seq_length(), 0, input_ids.shape[1])]
+        spans = [(c, h, a, b, _causal(h, b - a, input_ids.device)) for c, h, a, b in spans]
+        if position_ids is None:
+            held = spans[0][1]
+            position_ids = torch.arange(held, held + input_ids.shape[1], device=input_ids.device)[None]
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x, position_ids)
+        rope = (cos.unsqueeze(2), sin.unsqueeze(2))  # [1, T, 1, D]: broadcast over heads
+        for layer in self.layers:
+            x = self._layer(layer, x, rope, spans)
+        x = self.final_norm(x)  # the module: an EAGLE head's hook reads its output
+        rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return self.lm_head.forward(x[:, rows])
+
+    def _layer(self, layer: _Layer, x: torch.Tensor, rope, spans) -> torch.Tensor:
+        batch, t, hidden = x.shape
+        h = torch.rms_norm(x, (hidden,), layer.norm1, layer.eps1)
+        qkv = layer.qkv.forward(h)
+        q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        qk = _rotate(
+            qkv[..., : q_dim + kv_dim].view(batch, t, self.heads + self.kv_heads, self.head_dim), *rope
+        )
+        q = qk[:, :, : self.heads].transpose(1, 2)  # [1, Hq, T, D]
+        k = qk[:, :, self.heads :].transpose(1, 2)  # [1, Hkv, T, D]
+        v = qkv[..., q_dim + kv_dim :].view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        outs = []
+        for cache, held, a, b, mask in spans:
+            keys, values = cache.update(k[:, :, a:b], v[:, :, a:b], layer.index)
+            outs.append(self._attend(q[:, :, a:b], keys, values, held, mask))
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, T, D]
+        x = x + layer.o_proj.forward(attn.transpose(1, 2).reshape(batch, t, q_dim))
+        h = torch.rms_norm(x, (hidden,), layer.norm2, layer.eps2)
+        gate, up = layer.gate_up.forward(h).split(layer.intermediate, dim=-1)
+        return x + layer.down_proj.forward(F.silu(gate) * up)
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: int, mask
+    ) -> torch.Tensor:
+        """One sequence's queries [1, Hq, n, D] over its keys, as transformers' sdpa and ``agentspec_sdpa``
+        attend: one row, grouped heads; a bfloat16 verify pass on a CPU, row by row (``row_by_row``);
+        a prompt from empty, causal; otherwise query groups folded into rows over a causal mask."""
+        n = q.shape[2]
+        gqa = self.heads != self.kv_heads
+        if n == 1:
+            return F.scaled_dot_product_attention(q, keys, values, scale=self.scaling, enable_gqa=gqa)
+        if row_by_row(q):
+            return self._row_by_row(q, keys, values, held, gqa)
+        if held == 0:  # a prompt from empty: causal from the first key, as transformers' sdpa runs it
+            return F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=self.scaling, enable_gqa=gqa
+            )
+        folded, mask = fold_groups(q, mask, self.heads // self.kv_heads)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scaling)
+        return out.reshape(q.shape[0], self.heads, n, values.shape[-1])
+
+    def _row_by_row(self, q, keys, values, held: int, gqa: bool) -> torch.Tensor:
+        """Each query row over the keys up to its own position, as a one-row pass attends."""
+        rows = [
+            F.scaled_dot_product_attention(
+                q[:, :, i : i + 1],
+                keys[:, :, : held + i + 1],
+                values[:, :, : held + i + 1],
+                scale=self.scaling,
+                enable_gqa=gqa,
+            )  # fmt: skip
+            for i in range(q.shape[2])
+        ]
+        return torch.cat(rows, dim=2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [B, T, H, D]: transformers' ``apply_rotary_pos_emb``, elementwise."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+# The keyword arguments agentspec's passes give the model (``kv.ModelState.forward_now``,
+# ``packed.forward_packed``): a call with any other goes to transformers
+_PASS_ARGS = frozenset(
+    {"input_ids", "cache", "use_cache", "logits_to_keep", "position_ids", "attention_mask", "agentspec_pack"}
+)
+
+
+def _dispatch(lean: LeanForward, *args, **kwargs):
+    """The model's forward: the lean one in an agentspec pass over a cache it feeds, else transformers'."""
+    cache = kwargs.get("cache")
+    pack = kwargs.get("agentspec_pack")
+    mask = kwargs.get("attention_mask")
+    if args or not in_pass() or not kwargs.keys() <= _PASS_ARGS or not lean.feeds(cache):
+        return lean.original(*args, **kwargs)
+    if pack is None and mask is not None:  # a solo pass with a mask of its own (padding): transformers'
+        return lean.original(*args, **kwargs)
+    logits = lean(
+        kwargs["input_ids"], cache, kwargs.get("logits_to_keep", 0), kwargs.get("position_ids"), pack
+    )
+    return CausalLMOutputWithPast(logits=logits)

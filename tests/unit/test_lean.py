@@ -1,0 +1,143 @@
+"""``agentspec.lean``: the lean forward of agentspec's passes computes transformers' own numbers.
+
+Its passes (a prompt, one-row steps, verify passes over a cache, packed passes of several sequences,
+with the final-norm features an EAGLE head reads) give the logits transformers' forward gives for
+the same tokens; the model's other callers keep transformers' forward; a family it does not
+reproduce keeps transformers' forward everywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+
+from agentspec import kv, lean
+from agentspec.kv import ModelState, PassIds
+from agentspec.models import ModelPair
+from agentspec.packed import forward_packed
+
+VOCAB = 97
+
+
+def qwen2(seed: int, **overrides) -> Qwen2ForCausalLM:
+    """A random Qwen2 (q/k/v biases: the family's difference from Llama that the lean forward keeps)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, tie_word_embeddings=False, **overrides,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # random biases (they initialise to zero, which would test nothing)
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def models(request, tiny_llama):
+    """(the model the lean forward is installed on, an untouched copy for transformers' numbers, the
+    lean forward)."""
+    model = tiny_llama(3, vocab_size=VOCAB) if request.param == "llama" else qwen2(3)
+    untouched = copy.deepcopy(model)
+    pair = ModelPair(target=model, tokenizer=None)
+    assert [x.model for x in pair.lean] == [model]
+    return model, untouched, pair.lean[0]
+
+
+def reference(model, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids``, one transformers forward (no cache)."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def test_its_passes_give_transformers_logits(models):
+    model, untouched, lean_forward = models
+    ids = [5, 17, 42, 8, 91, 3, 3, 60, 11, 29, 7, 2, 77]
+    ref = reference(untouched, ids)
+    state = ModelState(model)
+    got = [state.forward(ids[:6], 6), state.forward(ids[6:7], 1), state.forward(ids[7:12], 5)]
+    state.truncate(9)  # a rejected draft rolled back, then the pass after it
+    got += [state.forward(ids[9:13], 4)]
+    expected = [ref[:6], ref[6:7], ref[7:12], ref[9:13]]
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_pass_gives_each_sequence_its_own_logits(models):
+    model, untouched, lean_forward = models
+    seqs = [[5, 17, 42, 8, 91, 3], [60, 11], [29, 7, 2, 77, 1, 4, 4, 9]]
+    states = [ModelState(model) for _ in seqs]
+    states[0].forward(seqs[0][:3], 1)  # one sequence with a cache, the others from empty
+    news = [PassIds(seqs[0][3:]), PassIds(seqs[1]), PassIds(seqs[2])]
+    outs = forward_packed(states, news, [3, 1, 8])
+    for seq, out, keep in zip(seqs, outs, [3, 1, 8], strict=True):
+        torch.testing.assert_close(out, reference(untouched, seq)[-keep:], rtol=1e-5, atol=1e-5)
+    assert [len(s.ids) for s in states] == [len(s) for s in seqs]
+
+
+def test_the_final_norm_features_come_with_the_logits(models):
+    """An EAGLE head drafts from the target's final-norm output: the lean pass hands it as
+    transformers' forward does (the final norm's forward hook)."""
+    model, untouched, lean_forward = models
+    ids = [5, 17, 42, 8, 91, 3]
+    logits, hidden = ModelState(model).forward(ids, 2, hidden=True)
+    with torch.inference_mode():
+        out = untouched(torch.tensor([ids]), output_hidden_states=True)
+    torch.testing.assert_close(hidden, out.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, out.logits[0, -2:], rtol=1e-5, atol=1e-5)
+
+
+def test_other_callers_keep_transformers_forward(models):
+    """Outside an agentspec pass (``generate()``, a user's call) the model is transformers' own, its
+    fused weights still its parameters (views: the same values, one copy)."""
+    model, untouched, lean_forward = models
+    x = torch.tensor([[3, 17, 42, 5, 9]])
+    with torch.inference_mode():
+        got = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8)
+        ref = untouched.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8)
+    assert got.tolist() == ref.tolist()
+    for name, p in untouched.state_dict().items():
+        assert torch.equal(model.state_dict()[name], p), name
+    layer = model.model.layers[0]
+    fused = next(f for f in lean_forward.fused if f.out_features == 2 * layer.mlp.up_proj.out_features)
+    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+
+
+def test_a_family_it_does_not_reproduce_keeps_transformers_forward(tiny_llama):
+    sliding = qwen2(0, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    gelu = tiny_llama(0)
+    gelu.config.hidden_act = "gelu"
+    for model in (sliding, gelu):
+        assert not lean.supported(model)
+        assert not ModelPair(target=model, tokenizer=None).lean and "forward" not in vars(model)
+
+
+def test_a_failed_pass_leaves_the_state_usable(models):
+    """An error inside a layer (out of memory, a fault) rolls the cache back; the next pass is right."""
+    model, untouched, lean_forward = models
+    ids = [5, 17, 42, 8, 91, 3, 60]
+    state = ModelState(model)
+    state.forward(ids[:4], 1)
+    layer = lean_forward.layers[1]
+    good = layer.gate_up.forward
+    layer.gate_up.forward = lambda x: (_ for _ in ()).throw(RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        state.forward(ids[4:6], 2)
+    layer.gate_up.forward = good
+    assert len(state.ids) == 4 and state.cache.get_seq_length() == 4
+    torch.testing.assert_close(state.forward(ids[4:], 3), reference(untouched, ids)[4:], rtol=1e-5, atol=1e-5)
+
+
+def test_passes_outside_its_cache_kinds_keep_transformers_forward(models):
+    """A cache the lean forward does not write (a static one) gets transformers' forward, in a pass too."""
+    model, untouched, lean_forward = models
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    x = torch.tensor([[5, 17, 42]])
+    with torch.inference_mode(), kv.pass_rows(3):
+        got = model(input_ids=x, cache=cache, use_cache=True).logits[0]
+    torch.testing.assert_close(got, reference(untouched, [5, 17, 42]), rtol=1e-5, atol=1e-5)
