@@ -38,7 +38,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from agentspec.attention import NAME as GROUPED_SDPA
 from agentspec.attention import fold_groups, row_by_row
 from agentspec.kv import GrowingLayer, in_pass
-from agentspec.packed import PackedPass, _causal
+from agentspec.packed import PackedPass, causal_mask
 
 # The model classes whose decoder layers this forward reproduces: pre-norm RMSNorm, rotary q/k, SiLU
 # gated MLP, optional q/k/v bias (Qwen2); a family with anything more (q/k norms, sliding windows,
@@ -48,23 +48,20 @@ FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 def supported(model: Any) -> bool:
     """Whether ``model`` is one this forward reproduces (see FAMILIES), as loaded for agentspec: sdpa
-    attention, every layer full attention, plain linears, SiLU, no forward of its own already."""
-    if type(model).__name__ not in FAMILIES or "forward" in vars(model):
+    attention, SiLU, plain linears, every layer full attention, no forward of its own already."""
+    name = type(model).__name__
+    if name not in FAMILIES or "forward" in vars(model):
         return False
     config = model.config
     if config._attn_implementation not in ("sdpa", GROUPED_SDPA) or config.hidden_act != "silu":
         return False
-    if getattr(config, "use_sliding_window", False) or getattr(config, "mlp_bias", False):
+    if name == "LlamaForCausalLM" and config.mlp_bias:  # Llama's own switch; Qwen2 has no MLP bias
         return False
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return False
-    linears = [m for layer in model.model.layers for m in _layer_linears(layer)] + [model.lm_head]
-    return all(type(m) is torch.nn.Linear for m in linears)
-
-
-def _layer_linears(layer: Any) -> list[Any]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if name == "Qwen2ForCausalLM" and any(t != "full_attention" for t in config.layer_types):
+        return False  # Qwen2's sliding-window layers; Llama has none
+    layers = [_Layer.parts(layer) for layer in model.model.layers]
+    linears = [m for qkv, o, gate_up, down in layers for m in (*qkv, o, *gate_up, down)]
+    return all(type(m) is torch.nn.Linear for m in [*linears, model.lm_head])
 
 
 def _fuse(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
@@ -92,17 +89,26 @@ class _Layer:
     """One decoder layer's weights as the lean forward reads them."""
 
     def __init__(self, layer: Any, index: int):
-        attn, mlp = layer.self_attn, layer.mlp
+        (q, k, v), o, (gate, up), down = self.parts(layer)
         self.index = index
-        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
-        self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.norm2, self.eps2 = (
-            layer.post_attention_layernorm.weight,
-            layer.post_attention_layernorm.variance_epsilon,
+        self.replaced = [q, k, v, gate, up]  # computed by the fused linears in a pass
+        self.qkv, self.gate_up = _fuse([q, k, v]), _fuse([gate, up])
+        self.o_proj, self.down_proj = o, down
+        self.intermediate = gate.out_features
+        first, second = layer.input_layernorm, layer.post_attention_layernorm
+        self.norm1, self.eps1 = first.weight, first.variance_epsilon
+        self.norm2, self.eps2 = second.weight, second.variance_epsilon
+
+    @staticmethod
+    def parts(layer: Any) -> tuple:
+        """((q, k, v), o, (gate, up), down): the layer's linears."""
+        attn, mlp = layer.self_attn, layer.mlp
+        return (
+            (attn.q_proj, attn.k_proj, attn.v_proj),
+            attn.o_proj,
+            (mlp.gate_proj, mlp.up_proj),
+            mlp.down_proj,
         )
-        self.intermediate = mlp.gate_proj.out_features
 
 
 class LeanForward:
@@ -127,11 +133,9 @@ class LeanForward:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = decoder.layers[0].self_attn.head_dim
         self.scaling = decoder.layers[0].self_attn.scaling
-        self.replaced = [
-            m for layer in decoder.layers for m in _layer_linears(layer)[:3] + _layer_linears(layer)[4:6]
-        ]
         self.layers = [_Layer(layer, i) for i, layer in enumerate(decoder.layers)]
         self.fused = [m for layer in self.layers for m in (layer.qkv, layer.gate_up)]
+        self.replaced = [m for layer in self.layers for m in layer.replaced]
 
     @classmethod
     def install(cls, model: Any) -> LeanForward:
@@ -151,13 +155,14 @@ class LeanForward:
     def __call__(self, input_ids, cache, logits_to_keep, position_ids=None, agentspec_pack=None):
         """Logits of the kept rows [1, R, V] after feeding ``input_ids`` [1, T] (see the module doc)."""
         if agentspec_pack is not None:
+            pack = agentspec_pack
             spans = [
-                (st.cache, h, a, b)
-                for st, h, (a, b) in zip(agentspec_pack.states, agentspec_pack.held, agentspec_pack.spans)
+                (state.cache, held, a, b, mask)
+                for state, held, (a, b), mask in zip(pack.states, pack.held, pack.spans, pack.masks)
             ]
         else:
-            spans = [(cache, cache.get_seq_length(), 0, input_ids.shape[1])]
-        spans = [(c, h, a, b, _causal(h, b - a, input_ids.device)) for c, h, a, b in spans]
+            held, n = cache.get_seq_length(), input_ids.shape[1]
+            spans = [(cache, held, 0, n, causal_mask(held, n, input_ids.device))]
         if position_ids is None:
             held = spans[0][1]
             position_ids = torch.arange(held, held + input_ids.shape[1], device=input_ids.device)[None]

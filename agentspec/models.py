@@ -238,6 +238,9 @@ class ModelPair:
     # (one preallocated StaticState for the pair's calls, rolled back by its length) or "compiled"
     # (that, with its one-token step under torch.compile's CUDA graphs); see agentspec.static_kv
     draft_cache: str = "dynamic"
+    # whether agentspec's passes over a Llama or Qwen2 model run agentspec.lean's forward (False: the
+    # model keeps transformers' forward everywhere, its weights unfused)
+    lean_forward: bool = True
     # serialises model access: one call decodes at a time per loaded pair
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     # what the target's passes cost here (agentspec.cost): the drafting schedule's verify curve and
@@ -268,7 +271,7 @@ class ModelPair:
 
     def __post_init__(self) -> None:
         models = [m for m in (self.target, self.draft) if m is not None]
-        self.lean = [LeanForward.install(m) for m in models if lean_supported(m)]
+        self.lean = [LeanForward.install(m) for m in models if self.lean_forward and lean_supported(m)]
         fused = torch.nn.ModuleList(linear for lean in self.lean for linear in lean.fused)
         replaced = [linear for lean in self.lean for linear in lean.replaced]
         self.pass_linears = PassLinears(*models, fused, skip=replaced)
@@ -401,6 +404,7 @@ def load_pair(
     prefix_cache_host_bytes: int | None = None,
     draft_cache: str = "dynamic",
     warm_up: bool = True,
+    lean_forward: bool = True,
 ) -> ModelPair:
     """Load a target model and an optional draft model that shares its tokenizer.
 
@@ -416,6 +420,7 @@ def load_pair(
     ``agentspec.cache.default_host_budget``: none on a CPU). ``draft_cache`` is the draft model's
     KV cache (``ModelPair.draft_cache``): "dynamic", "static" or "compiled". ``warm_up`` runs each
     kind of pass once before returning (``agentspec.warm``), so the first call is as fast as later ones.
+    ``lean_forward=False`` keeps transformers' forward in agentspec's passes (``ModelPair.lean_forward``).
     """
     dev = torch.device(device) if device is not None else default_device()
     dt = _resolve_dtype(dtype, dev)
@@ -449,6 +454,7 @@ def load_pair(
         key=key,
         prefix_cache=cache,
         draft_cache=draft_cache,
+        lean_forward=lean_forward,
     )
     if warm_up:
         log.info("warmed up %s in %.2f s", name, warm.warm_up(pair))

@@ -59,7 +59,7 @@ class PackedPass:
             self.spans.append((at, at + n))
             at += n
         # each sequence's mask, the same in every layer: built once a pass, as a solo pass builds its own
-        self.masks = [_causal(h, n, device) for h, n in zip(held, lengths)]
+        self.masks = [causal_mask(h, n, device) for h, n in zip(held, lengths)]
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's per-sequence K, V
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, **_: object):
@@ -86,7 +86,7 @@ class PackedPass:
         return grouped_sdpa_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
 
 
-def _causal(held: int, n: int, device: torch.device) -> torch.Tensor | None:
+def causal_mask(held: int, n: int, device: torch.device) -> torch.Tensor | None:
     """The mask of ``n`` rows after ``held`` cached ones (None for one row, which sees every key):
     what transformers' ``sdpa_mask`` builds for a solo pass."""
     if n == 1:

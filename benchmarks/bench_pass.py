@@ -18,8 +18,9 @@ In one run, side by side:
 3. Where each pass's time goes: a few passes under ``torch.profiler``, the ops grouped by category
    (linear, attention, norm, elementwise, kv_cache, other) and "outside_ops", the pass's wall time
    that no op accounts for (Python); the top ops too (``passes.profile_passes``).
-   The target's passes with its linears as the library runs them against plain ``F.linear``
-   (``linear_paths``: in bfloat16 the library prepacks the weights for oneDNN), in alternating blocks.
+   The target's passes as the library runs them (``agentspec.lean``'s forward; in bfloat16 the
+   weights prepacked for oneDNN) against transformers' forward and against plain ``F.linear``
+   (``linear_paths``), in blocks whose order turns each round.
 4. Against the limit: each one-row pass as weight bytes read (``roofline.bytes_per_step``) per
    second over the measured read bandwidth (issue 29's goal: float32 at least 0.7).
 5. Baselines after the same 400-token prompt (real text), greedy, never stopping early: a decode
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -193,30 +195,34 @@ def vllm_step(dtype: str, ids: list[int], args) -> dict[str, Any]:
     return {"status": "ok", "bind": bind, "threads": threads, "worker_core_ids": bound[:1], **result}
 
 
-def library_and_plain(dtype: str) -> dict[str, Any]:
-    """Two loads of the target: its linears as the library runs them (``kv.PassLinears``: in bfloat16,
-    weights prepacked for oneDNN), and with no prepacked copies (``F.linear``)."""
-    library = agentspec.load_pair(dtype=dtype, draft_model=False, warm_up=False)
+def variants(dtype: str) -> dict[str, Any]:
+    """Three loads of the target: as the library runs its passes ("library": ``agentspec.lean``'s
+    forward, ``kv.PassLinears``' linears, in bfloat16 prepacked for oneDNN), with transformers'
+    forward instead ("transformers forward": ``lean_forward=False``), and with no prepacked copies
+    ("F.linear")."""
+    load = partial(agentspec.load_pair, dtype=dtype, draft_model=False, warm_up=False)
+    out = {"library": load(), "transformers forward": load(lean_forward=False)}
     share, kv.PACKED_MEMORY_SHARE = kv.PACKED_MEMORY_SHARE, 0.0
     try:
-        plain = agentspec.load_pair(dtype=dtype, draft_model=False, warm_up=False)
+        out["F.linear"] = load()
     finally:
         kv.PACKED_MEMORY_SHARE = share
-    return {"library": library, "F.linear": plain}
+    return out
 
 
 def linear_paths(dtype: str, args) -> dict[str, Any]:
-    """The target's passes both ways (``library_and_plain``) in blocks that alternate from round to
-    round: a bfloat16 model nearly fits this CPU's last-level cache (300 MiB), so two models' passes
+    """The target's passes each way (``variants``) in blocks whose order turns from round to round:
+    a bfloat16 model nearly fits this CPU's last-level cache (300 MiB), so two models' passes
     interleaved one by one would each read the other's evictions from memory; each block's first
-    passes (the cache filling) are dropped. And the largest logit difference between the two ways."""
-    pairs = library_and_plain(dtype)
+    passes (the cache filling) are dropped. And the largest logit difference from the library's."""
+    pairs = variants(dtype)
     states = {n: passes.random_state(p.target, args.cache_len, max(args.rows)) for n, p in pairs.items()}
     times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in args.rows} for name in pairs}
     logits: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
         for r in range(max(2, args.repeats // BLOCK)):
-            for name in list(pairs)[:: 1 if r % 2 else -1]:
+            names = list(pairs)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 state, new = states[name]
                 for k in args.rows:
                     for i in range(BLOCK + BLOCK_WARM):
@@ -225,9 +231,11 @@ def linear_paths(dtype: str, args) -> dict[str, Any]:
                         if i >= BLOCK_WARM:
                             times[name][k].append((time.perf_counter() - t0) * 1e3)
                         state.truncate(args.cache_len)
-    diff = float((logits["library"] - logits["F.linear"]).abs().max())  # the last pass of each: same ids
+    diffs = {  # the last pass of each: same ids
+        name: float((logits["library"] - x).abs().max()) for name, x in logits.items() if name != "library"
+    }
     out = {name: {str(k): passes.summary(v) for k, v in t.items()} for name, t in times.items()}
-    return {"packed_bytes": pairs["library"].pass_linears.packed_bytes, "max_abs_logit_diff": diff, **out}
+    return {"packed_bytes": pairs["library"].pass_linears.packed_bytes, "max_abs_logit_diff": diffs, **out}
 
 
 def run_dtype(dtype: str, args, read_gb_s: float) -> dict[str, Any]:
@@ -235,7 +243,7 @@ def run_dtype(dtype: str, args, read_gb_s: float) -> dict[str, Any]:
     pair = agentspec.load_pair(dtype=dtype, draft_model=False)
     ids = prompt_ids(pair.tokenizer)
     out: dict[str, Any] = {"environment": environment(pair), "target": target_passes(pair, args, read_gb_s)}
-    print(f"{dtype}: the library's linears against F.linear ...", flush=True)
+    print(f"{dtype}: the library's passes against transformers' forward and F.linear ...", flush=True)
     out["linears"] = linear_paths(dtype, args)
     print(f"{dtype}: generate() and agentspec plain steps ...", flush=True)
     out["hf_generate"] = hf_step(pair.target, ids, args.new_tokens, args.repeats_calls)
@@ -287,9 +295,10 @@ def table(result: dict[str, Any]) -> None:
             shares = ", ".join(f"{c} {s:.0%}" for c, s in prof["categories_share"].items() if s >= 0.01)
             print(f"  {k} rows: {shares}")
         lin = r["linears"]
-        cells = "  ".join(f"{k} rows {p['median_ms']:.1f}/{lin['F.linear'][k]['median_ms']:.1f}"
-                          for k, p in lin["library"].items())  # fmt: skip
-        print(f"  linears as the library runs them / F.linear, pass ms: {cells}")
+        ways = ("library", "transformers forward", "F.linear")
+        cells = "  ".join(f"{k} rows " + "/".join(f"{lin[w][k]['median_ms']:.1f}" for w in ways)
+                          for k in lin["library"])  # fmt: skip
+        print(f"  pass ms, {' / '.join(ways)}: {cells}")
         steps = {"generate()": r["hf_generate"], "agentspec plain": r["agentspec_plain"],
                  "vLLM": r.get("vllm", {})}  # fmt: skip
         cells = "  ".join(f"{n} {s['step_ms']:.1f}" for n, s in steps.items() if "step_ms" in s)

@@ -141,3 +141,23 @@ def test_passes_outside_its_cache_kinds_keep_transformers_forward(models):
     with torch.inference_mode(), kv.pass_rows(3):
         got = model(input_ids=x, cache=cache, use_cache=True).logits[0]
     torch.testing.assert_close(got, reference(untouched, [5, 17, 42]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prompt_len", [20, 40])
+def test_a_bfloat16_prompt_pass_past_the_invariant_rows_carries_no_draft(tiny_llama, tokenizer, prompt_len):
+    """In bfloat16 on a CPU a pass's rows are a one-row pass's only up to ``attention.invariant_rows``:
+    a longer prompt goes alone, as plain decoding feeds it, and drafting starts at the next pass; a
+    prompt within them takes its draft along. Either way the reply is plain decoding's, token for token."""
+    import agentspec
+
+    model = tiny_llama(4).to(torch.bfloat16)
+    pair = ModelPair(target=model, tokenizer=tokenizer)
+    limit = pair.invariant_rows
+    assert limit is not None and 20 < limit < 40
+    ids = ([5, 17, 42, 8, 31, 3, 60, 11] * 5)[:prompt_len]  # repeats: prompt lookup drafts from it
+    plain = agentspec.generate(pair, ids, max_new_tokens=12, speculative=False, prefix_cache=False)
+    before = len(pair.scheduler.stats.recent)
+    got = agentspec.generate(pair, ids, drafter="prompt_lookup", max_new_tokens=12, prefix_cache=False)
+    first_rows = list(pair.scheduler.stats.recent)[before][1]
+    assert got.token_ids == plain.token_ids
+    assert first_rows == prompt_len if prompt_len > limit else first_rows > prompt_len
