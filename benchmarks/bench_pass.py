@@ -63,7 +63,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 400
 GOAL_FRACTION = 0.7  # float32 one-row pass over the read-bandwidth bound
 VLLM_TIMEOUT_S = 900
-BLOCK, BLOCK_WARM = 5, 2  # linear_paths: passes timed per block, and passes before them dropped
+# linear_paths: passes timed per block, and passes before them dropped; short blocks, many rounds, so
+# that the machine's drift (minutes long here) hits every way alike
+BLOCK, BLOCK_WARM = 3, 1
 
 
 def copy_bandwidth(mib: int, repeats: int) -> dict[str, Any]:
@@ -220,7 +222,7 @@ def linear_paths(dtype: str, args) -> dict[str, Any]:
     times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in args.rows} for name in pairs}
     logits: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
-        for r in range(max(2, args.repeats // BLOCK)):
+        for r in range(args.repeats):
             names = list(pairs)
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 state, new = states[name]

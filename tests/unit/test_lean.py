@@ -161,3 +161,11 @@ def test_a_bfloat16_prompt_pass_past_the_invariant_rows_carries_no_draft(tiny_ll
     first_rows = list(pair.scheduler.stats.recent)[before][1]
     assert got.token_ids == plain.token_ids
     assert first_rows == prompt_len if prompt_len > limit else first_rows > prompt_len
+
+
+def test_lean_forward_false_keeps_transformers_forward(tiny_llama):
+    model = tiny_llama(0)
+    pair = ModelPair(target=model, tokenizer=None, lean_forward=False)
+    assert not pair.lean and "forward" not in vars(model)
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.weight.untyped_storage().nbytes() == q.weight.numel() * q.weight.element_size()  # not fused
