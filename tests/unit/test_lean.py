@@ -169,3 +169,13 @@ def test_lean_forward_false_keeps_transformers_forward(tiny_llama):
     assert not pair.lean and "forward" not in vars(model)
     q = model.model.layers[0].self_attn.q_proj
     assert q.weight.untyped_storage().nbytes() == q.weight.numel() * q.weight.element_size()  # not fused
+
+
+def test_a_model_with_fused_weights_saves_and_reloads(models, tmp_path):
+    """The model's parameters are views of the fused weights: ``save_pretrained`` still writes each
+    as its own tensor, and the saved model loads with transformers' own numbers."""
+    model, untouched, _ = models
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path)
+    for name, p in untouched.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], p), name
