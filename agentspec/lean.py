@@ -8,13 +8,13 @@ against 26 ms of linears). vLLM and gpt-fast run model code of their own for the
 is that for the two families the library's pairs use, on agentspec's KV layout (``kv.GrowingLayer``),
 the packed pass (``agentspec.packed``) and the pass linears (``kv.PassLinears``):
 
-- q, k and v are one linear, and gate and up another (``Fused``: the model's parameters become views
+- q, k and v are one linear, and gate and up another (``_fuse``: the model's parameters become views
   of the fused weight, so no weight is held twice);
 - ``torch.rms_norm`` for each layer's norms; rotary embedding applied to q and k in one op set, from
   the model's own ``rotary_emb`` (every RoPE scaling transformers knows);
-- attention straight to ``scaled_dot_product_attention`` per sequence, as ``agentspec_sdpa`` runs it
-  (one row: grouped heads; a bfloat16 verify pass on a CPU: row by row, which keeps it row-invariant;
-  otherwise query groups folded into rows over a causal mask);
+- attention per sequence on its own cache, through ``agentspec_sdpa``'s function with the mask a solo
+  pass would have (one row: grouped heads; a bfloat16 verify pass on a CPU: row by row, which keeps
+  it row-invariant; otherwise query groups folded into rows over a causal mask);
 - the final norm only through the model's own module (an EAGLE head's hook reads it), the LM head
   only over the rows a caller keeps.
 
@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from agentspec.attention import NAME as GROUPED_SDPA
-from agentspec.attention import fold_groups, row_by_row
+from agentspec.attention import grouped_sdpa_forward
 from agentspec.kv import GrowingLayer, in_pass
 from agentspec.packed import PackedPass, causal_mask
 
@@ -91,6 +91,7 @@ class _Layer:
     def __init__(self, layer: Any, index: int):
         (q, k, v), o, (gate, up), down = self.parts(layer)
         self.index = index
+        self.attn = layer.self_attn  # its attention settings (grouped heads, causal) for agentspec_sdpa
         self.replaced = [q, k, v, gate, up]  # computed by the fused linears in a pass
         self.qkv, self.gate_up = _fuse([q, k, v]), _fuse([gate, up])
         self.o_proj, self.down_proj = o, down
@@ -157,15 +158,13 @@ class LeanForward:
         if agentspec_pack is not None:
             pack = agentspec_pack
             spans = [
-                (state.cache, held, a, b, mask)
-                for state, held, (a, b), mask in zip(pack.states, pack.held, pack.spans, pack.masks)
+                (state.cache, *span, mask) for state, span, mask in zip(pack.states, pack.spans, pack.masks)
             ]
         else:
             held, n = cache.get_seq_length(), input_ids.shape[1]
-            spans = [(cache, held, 0, n, causal_mask(held, n, input_ids.device))]
-        if position_ids is None:
-            held = spans[0][1]
-            position_ids = torch.arange(held, held + input_ids.shape[1], device=input_ids.device)[None]
+            spans = [(cache, 0, n, causal_mask(held, n, input_ids.device, self.lm_head.weight.dtype))]
+            if position_ids is None:  # a solo pass's rows follow its cache
+                position_ids = torch.arange(held, held + n, device=input_ids.device)[None]
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, position_ids)
         rope = (cos.unsqueeze(2), sin.unsqueeze(2))  # [1, T, 1, D]: broadcast over heads
@@ -187,48 +186,15 @@ class LeanForward:
         k = qk[:, :, self.heads :].transpose(1, 2)  # [1, Hkv, T, D]
         v = qkv[..., q_dim + kv_dim :].view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
         outs = []
-        for cache, held, a, b, mask in spans:
+        for cache, a, b, mask in spans:
             keys, values = cache.update(k[:, :, a:b], v[:, :, a:b], layer.index)
-            outs.append(self._attend(q[:, :, a:b], keys, values, held, mask))
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, T, D]
-        x = x + layer.o_proj.forward(attn.transpose(1, 2).reshape(batch, t, q_dim))
+            out, _ = grouped_sdpa_forward(layer.attn, q[:, :, a:b], keys, values, mask, scaling=self.scaling)
+            outs.append(out)  # [1, n, Hq, D]
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        x = x + layer.o_proj.forward(attn.reshape(batch, t, q_dim))
         h = torch.rms_norm(x, (hidden,), layer.norm2, layer.eps2)
         gate, up = layer.gate_up.forward(h).split(layer.intermediate, dim=-1)
         return x + layer.down_proj.forward(F.silu(gate) * up)
-
-    def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: int, mask
-    ) -> torch.Tensor:
-        """One sequence's queries [1, Hq, n, D] over its keys, as transformers' sdpa and ``agentspec_sdpa``
-        attend: one row, grouped heads; a bfloat16 verify pass on a CPU, row by row (``row_by_row``);
-        a prompt from empty, causal; otherwise query groups folded into rows over a causal mask."""
-        n = q.shape[2]
-        gqa = self.heads != self.kv_heads
-        if n == 1:
-            return F.scaled_dot_product_attention(q, keys, values, scale=self.scaling, enable_gqa=gqa)
-        if row_by_row(q):
-            return self._row_by_row(q, keys, values, held, gqa)
-        if held == 0:  # a prompt from empty: causal from the first key, as transformers' sdpa runs it
-            return F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=self.scaling, enable_gqa=gqa
-            )
-        folded, mask = fold_groups(q, mask, self.heads // self.kv_heads)
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scaling)
-        return out.reshape(q.shape[0], self.heads, n, values.shape[-1])
-
-    def _row_by_row(self, q, keys, values, held: int, gqa: bool) -> torch.Tensor:
-        """Each query row over the keys up to its own position, as a one-row pass attends."""
-        rows = [
-            F.scaled_dot_product_attention(
-                q[:, :, i : i + 1],
-                keys[:, :, : held + i + 1],
-                values[:, :, : held + i + 1],
-                scale=self.scaling,
-                enable_gqa=gqa,
-            )  # fmt: skip
-            for i in range(q.shape[2])
-        ]
-        return torch.cat(rows, dim=2)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
