@@ -48,6 +48,7 @@ from agentspec.sampling import keyed_scores, make_generator, probabilities
 from agentspec.scheduler import LOOKAHEAD
 from agentspec.stats import DecodeStats
 from agentspec.text import TextTracker
+from agentspec.threads import release_pool
 from agentspec.verify import greedy_accept, speculative_accept
 
 log = logging.getLogger(__name__)
@@ -805,6 +806,7 @@ class _Member:
     def steps(self) -> Iterator[Step]:
         """The call's Steps as the scheduler lands them; an error it met is raised here."""
         while True:
+            release_pool()  # this thread waits while the pass thread computes (agentspec.threads)
             item = self.outbox.get()
             self.taken += 1
             self.pair.scheduler.wake()
@@ -887,6 +889,7 @@ def stream(
         with scheduler.caller_turn(None):
             scheduler.remove(member)
             _leave(pair, cache, call, d, key, namespace, ended)
+        release_pool()  # the save's copies made this thread a pool (agentspec.threads)
 
 
 def prefill(
@@ -912,8 +915,10 @@ def prefill(
             rest = ids[len(target.ids) : -1]
             size = scheduler.prefill_chunk if scheduler.running else len(rest)
             forward_retrying(target, rest[:size], 1, cache.clear)
+            release_pool()  # between chunks the others' passes run (agentspec.threads)
     with scheduler.caller_turn(None), cache_oom_frees_cache(cache, "saving to"):
         cache.save(pair, {"target": target}, namespace)
+    release_pool()
     return restored, len(target.ids) - restored
 
 

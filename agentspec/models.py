@@ -38,6 +38,7 @@ from agentspec.lean import LeanForward
 from agentspec.lean import supported as lean_supported
 from agentspec.scheduler import PREFILL_CHUNK, PREFILL_CHUNKS, Scheduler
 from agentspec.static_kv import StaticState
+from agentspec.threads import release_pool
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +288,7 @@ class ModelPair:
         )
         if self.draft_cache not in DRAFT_CACHES:
             raise ValueError(f"draft_cache: expected one of {DRAFT_CACHES}, got {self.draft_cache!r}")
+        release_pool()  # the packing's pool: the passes run in the scheduler's thread (agentspec.threads)
 
     def draft_state(self):
         """The draft model's state for a call: None for a dynamic cache (each drafter makes its own

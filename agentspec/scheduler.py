@@ -36,6 +36,7 @@ from agentspec.cost import PairCost
 from agentspec.kv import ModelState, PassIds, batching
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
 from agentspec.packed import Read, Rendezvous, Verdict, forward_packed, packable, read_verdicts
+from agentspec.threads import release_pool
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ def _drafted(meeting: Rendezvous, member: Member, chunk: int | None, cap: int | 
             return _share(member, chunk, cap)
     finally:
         meeting.leave()
+        release_pool()  # the pass that follows runs in the pass thread (agentspec.threads)
 
 
 def urgent(members: list[Member]) -> list[Member]:

@@ -24,6 +24,7 @@ import torch
 
 from agentspec.drafters.eagle import EagleState, is_eagle
 from agentspec.kv import ModelState
+from agentspec.threads import release_pool
 
 # The passes run at load: PREFILL_ROWS tokens with a logits row each (a prefill's shapes, and a verify
 # pass's few-row LM head), then one of each VERIFY_ROWS size (a plain decode step). Few passes: what a
@@ -46,6 +47,7 @@ def warm_up(pair: Any) -> float:
         elif pair.draft is not None:
             _target_passes(pair.draft, ids, False)
     threading.Thread(target=pair.grammar_compiler.prepare, name="agentspec-grammar").start()
+    release_pool()  # calls pass in the scheduler's thread (agentspec.threads)
     return time.perf_counter() - start
 
 

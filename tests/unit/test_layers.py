@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
         "agentspec.config",
         "agentspec.stats",
         "agentspec.memory",
+        "agentspec.threads",
     ),
 ]
 
