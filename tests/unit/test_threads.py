@@ -13,41 +13,43 @@ import torch
 from agentspec import threads
 
 
-def _tasks() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _tids() -> set[str]:
+    """The process's threads (their ids): OpenMP's workers are threads no Python object stands for."""
+    return set(os.listdir("/proc/self/task"))
 
 
-def _settled(expected: int) -> int:
-    """The process's thread count once it reaches ``expected`` (workers exit after release returns)."""
+def _gone(tids: set[str]) -> bool:
+    """Whether none of ``tids`` is alive, within a second (workers exit after release returns)."""
     for _ in range(100):
-        if _tasks() == expected:
-            break
+        if not tids & _tids():
+            return True
         time.sleep(0.01)
-    return _tasks()
+    return False
 
 
 @pytest.mark.skipif(threads._pause() is None, reason="no libgomp in this process (another OpenMP runtime)")
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: no parallel region, no pool")
 def test_release_pool_lets_this_threads_openmp_workers_go():
-    seen: dict[str, int] = {}
+    seen: dict = {}
 
     def work() -> None:
-        before = _tasks()
+        before = _tids()
         torch.ones(1 << 22).mul_(2)  # a parallel region: this thread gets a pool of its own
-        seen["added"] = _tasks() - before
+        seen["workers"] = _tids() - before
         threads.release_pool()
-        seen["left"] = _settled(before) - before
+        seen["gone"] = _gone(seen["workers"])
         threads.release_pool()  # no pool now: nothing to do
+        before = _tids()
         torch.ones(1 << 22).mul_(2)  # and the next parallel op builds one again
-        seen["again"] = _tasks() - before
+        seen["again"] = _tids() - before
         threads.release_pool()
 
     t = threading.Thread(target=work)
     t.start()
     t.join()
-    assert seen["added"] == torch.get_num_threads() - 1, seen
-    assert seen["left"] == 0, seen
-    assert seen["again"] == torch.get_num_threads() - 1, seen
+    assert len(seen["workers"]) == torch.get_num_threads() - 1, seen
+    assert seen["gone"], seen
+    assert len(seen["again"]) == torch.get_num_threads() - 1, seen
 
 
 def test_a_caller_waits_for_its_steps_with_no_pool_of_its_own(target, tokenizer):
@@ -58,18 +60,18 @@ def test_a_caller_waits_for_its_steps_with_no_pool_of_its_own(target, tokenizer)
     import agentspec
 
     pair = agentspec.ModelPair(target=copy.deepcopy(target), tokenizer=tokenizer)
-    seen: dict[str, set] = {}
+    seen: dict = {}
 
     def caller() -> None:
-        before = set(os.listdir("/proc/self/task"))
+        before = _tids()
         torch.ones(1 << 22).mul_(2)  # this thread's pool
-        seen["workers"] = set(os.listdir("/proc/self/task")) - before
+        seen["workers"] = _tids() - before
         steps = agentspec.stream(pair, [1, 2, 3, 4], None, False, max_new_tokens=3, speculative=False)
-        for _ in steps:
-            seen.setdefault("at_first_step", set(os.listdir("/proc/self/task")))
+        for _ in steps:  # the release before the first wait is the only one until the call ends
+            seen.setdefault("gone_by_first_step", _gone(seen["workers"]))
 
     t = threading.Thread(target=caller)
     t.start()
     t.join()
     assert len(seen["workers"]) == torch.get_num_threads() - 1, seen
-    assert not seen["workers"] & seen["at_first_step"], seen
+    assert seen["gone_by_first_step"], seen
