@@ -145,7 +145,7 @@ def target_passes(pair, args, reads: list[float]) -> dict[str, Any]:
 
     The bound reads the weights at the fastest read bandwidth the run measured (``reads``, GB/s; this
     phase adds one just before its passes and one just after): a shared machine's noise only slows a
-    read, and a single measure here swung 2x within an hour (16.2 against 31.2 GB/s)."""
+    read, and a single measure here swung 2x within an hour (16.2 against 31.4 GB/s)."""
     model = pair.target
     cpu = torch.device("cpu")
     reads.append(roofline.read_bandwidth(cpu, BANDWIDTH_MIB, args.bandwidth_repeats)["median_gb_s"])
