@@ -806,7 +806,6 @@ class _Member:
     def steps(self) -> Iterator[Step]:
         """The call's Steps as the scheduler lands them; an error it met is raised here."""
         while True:
-            release_pool()  # this thread waits while the pass thread computes (agentspec.threads)
             item = self.outbox.get()
             self.taken += 1
             self.pair.scheduler.wake()
@@ -877,6 +876,7 @@ def stream(
         call.stats.draft_cooldown = resting
         member = _Member(pair, call, cancelled)
         scheduler.add(member)
+    release_pool()  # the restore's pool: from here this thread waits on the pass thread (agentspec.threads)
     ended = False  # finished, or closed by the caller: not failed
     try:
         yield from member.steps()

@@ -11,9 +11,9 @@ took 1.7x as long beside one idle pool as alone (``benchmarks/bench_thread_pools
 
 ``omp_pause_resource_all`` (OpenMP 5.0) frees the calling thread's pool in libgomp (its workers
 exit); the thread's next parallel op builds a new one. The library calls ``release_pool`` wherever a
-thread other than the pass thread has computed and is about to wait: a caller before it waits for
-its next Step and after it saved, a drafting thread after its share, ``load_pair`` after loading.
-With no pool it returns at once (a call into the runtime, a microsecond or two).
+thread other than the pass thread has computed and is about to wait: a caller once it joined the
+scheduler (after its restore) and after it saved, a drafting thread after its share, ``load_pair``
+after loading. Never per token. With no pool it returns at once (a call into the runtime).
 
 LLVM's and Intel's OpenMP runtimes (another build of PyTorch) neither throttle by pool count nor
 need this; there, and where no OpenMP runtime is loaded, ``release_pool`` does nothing.
