@@ -24,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from agentspec.kv import in_pass
+from agentspec.kv import INVARIANT_ROWS, in_pass
 
 NAME = "agentspec_sdpa"
 
@@ -85,8 +85,9 @@ def grouped_sdpa_forward(
 
 
 # The most rows a pass attends row by row (``row_by_row``): a verify pass's (the last verified token
-# and the drafts); a prefill, chunked or not, keeps one call (a row's call costs ~30 us a layer).
-ROW_BY_ROW_MAX = 32
+# and the drafts), as many as its linears keep row-invariant (``kv.PackedWeight``); a prefill, chunked
+# or not, keeps one call (a row's call costs ~30 us a layer).
+ROW_BY_ROW_MAX = INVARIANT_ROWS
 
 
 def invariant_rows(device: torch.device, dtype: torch.dtype) -> int | None:
@@ -100,10 +101,11 @@ def row_by_row(query: torch.Tensor) -> bool:
     verify-sized passes (``kv.pass_rows``: one sequence, a causal mask after its cache; at most
     ROW_BY_ROW_MAX rows) on a CPU in a dtype coarser than float32. There the attention kernel for
     several rows sums in another order than the one-row kernel, and bfloat16 rounding turns that
-    into other logits; with the prepacked linears (``kv.PassLinears``), which compute each row as a
-    one-row pass does, a verify pass's rows are then bit-identical to one-row steps, so speculative
-    decoding in bfloat16 is token-identical to plain decoding. The cost: one small attention call
-    per row and layer (a 5-row pass 9% slower, a 17-row one 37%, measured side by side). Elsewhere
+    into other logits; with the prepacked linears (``kv.PackedWeight``), which compute each row as a
+    one-row pass does (checked on this CPU when packed), a verify pass's rows are then bit-identical
+    to one-row steps, so speculative decoding in bfloat16 is token-identical to plain decoding. The
+    cost: one small attention call per row and layer (a 5-row pass 9% slower, a 17-row one 37%,
+    measured side by side). Elsewhere
     the rounding it would hide is float32's (token-identical in the tests) or a GPU's, whose linears
     are not row-invariant either (bfloat16 divergences are reported with their logit margins)."""
     limit = invariant_rows(query.device, query.dtype)

@@ -31,6 +31,23 @@ WEIGHT_FIRST_DTYPES = {torch.float32}
 # bfloat16 CPU linears get a prepacked oneDNN copy of their weight while the copies take at most this
 # share of the host's available memory at load (``PassLinears``)
 PACKED_MEMORY_SHARE = 0.25
+# The most new rows a bfloat16 CPU pass computes each exactly as a one-row pass does (``PackedWeight``,
+# ``attention.row_by_row``): a verify pass's (the last verified token and its drafts); a prefill,
+# chunked or not, is not held to it
+INVARIANT_ROWS = 32
+# A packed weight is cut along its inputs into pieces at least this wide (``PackedWeight.invariant``):
+# narrower, the kernel's own blocking is not what orders the sums, and rows go one by one instead
+MIN_PIECE = 256
+# ``PackedWeight.fit`` checks a shape's way on a probe of at most this many outputs. How the kernel
+# orders one output's sum depends on the number of outputs too (on an AMD EPYC, 1,536 inputs: 576 and
+# 4,096 outputs summed differently), but not past a few thousand there (4,096 to 32,768, at every
+# width measured, 576 to 3,584); a 49,152-output probe took 0.55 s of a 1 s load. Four times that,
+# for CPUs whose caches are larger.
+CHECK_OUTPUTS = 16384
+# The probe's rows (``_order_probe``): a few distinct ones, repeated (the kernel's order follows the
+# shapes, not the values), each holding a pair of terms this large that cancel within each piece
+DISTINCT_ROWS = 4
+PROBE_BIG = 2.0**20
 
 
 def final_norm(model) -> torch.nn.Module:
@@ -94,14 +111,102 @@ def batching(batcher: Batcher) -> Iterator[None]:
 _PASS_ROWS: ContextVar[int] = ContextVar("agentspec_pass_rows", default=0)
 
 
-def _pass_forward(linear: torch.nn.Linear, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def _pass_forward(linear: torch.nn.Linear, packed: PackedWeight | None, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward``, except inside an agentspec pass (``PassLinears``)."""
     rows = _pass_rows()
     if rows and packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")
+        return packed(x, linear.bias)
     if 2 <= rows <= FEW_ROWS and packed is None:
         return _weight_first(linear, x)
     return torch.nn.functional.linear(x, linear.weight, linear.bias)
+
+
+class PackedWeight:
+    """A bfloat16 linear's weight in oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, as
+    torch.compile's CPU backend packs frozen weights), with the product computed so that each of up
+    to INVARIANT_ROWS rows gets a one-row product's bits, on this CPU, checked when packed (``fit``).
+
+    Why: oneDNN's bf16 kernels accumulate in float32, but how they block the inputs' dimension
+    depends on the row count, the output count and the CPU (its caches, its ISA): past some width
+    (1,024 inputs on an Intel Xeon with AVX-512 BF16; 1,152 on an AMD EPYC, from 4 to 15 rows by
+    shape) a several-row product sums in another order than a one-row one, and bfloat16's rounding
+    turns that into other logits, so speculative decoding would leave plain decoding's tokens at
+    near-ties. PyTorch has no switch for the order, so ``fit`` measures it: the whole weight where the
+    kernel is row-invariant; else the weight cut into ``pieces`` of equal width, each a product
+    narrow enough to be, chained by the kernel's own add post-op (each piece's sum is added in
+    float32 to the previous pieces' bfloat16 result: one more rounding a piece); else, where no
+    piece width of at least MIN_PIECE is, each row as its own one-row product.
+    """
+
+    def __init__(self, weight: torch.Tensor, pieces: int = 1, rowwise: bool = False):
+        self.pieces = pieces
+        self.bounds = _pieces(weight.shape[1], pieces)
+        with torch.no_grad():
+            self.blocks = [
+                torch.ops.mkldnn._reorder_linear_weight(weight.detach()[:, a:b].contiguous(), 1)
+                for a, b in self.bounds
+            ]  # 1: the rows a pass usually has
+        self.rowwise = rowwise
+
+    @classmethod
+    def fit(cls, weight: torch.Tensor) -> PackedWeight:
+        """The first way (see the class doc) whose rows this CPU computes as one-row products."""
+        n, k = weight.shape
+        for pieces in range(1, k // MIN_PIECE + 1):
+            probe, rows = _order_probe(min(n, CHECK_OUTPUTS), _pieces(k, pieces))
+            if cls(probe, pieces).invariant(rows):
+                return cls(weight, pieces)
+        return cls(weight, rowwise=True)
+
+    def invariant(self, rows: torch.Tensor) -> bool:
+        """Whether every product of 2..INVARIANT_ROWS rows gives each row a one-row product's bits, on
+        ``rows`` ([DISTINCT_ROWS, in]) repeated (row i is ``rows[i % DISTINCT_ROWS]``)."""
+        one = torch.cat([self(rows[i : i + 1], None) for i in range(len(rows))])
+        reps = -(-INVARIANT_ROWS // len(rows))
+        x, expected = rows.repeat(reps, 1), one.repeat(reps, 1)
+        return all(torch.equal(self(x[:m], None), expected[:m]) for m in range(2, INVARIANT_ROWS + 1))
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[-2] if x.dim() > 1 else 1
+        if self.rowwise and 1 < rows <= INVARIANT_ROWS:
+            return torch.cat([self._product(x[..., i : i + 1, :], bias) for i in range(rows)], dim=-2)
+        return self._product(x, bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if len(self.blocks) == 1:
+            return torch.ops.mkldnn._linear_pointwise(x, self.blocks[0], bias, "none", [], "")
+        (a, b), first = self.bounds[0], self.blocks[0]
+        y = torch.ops.mkldnn._linear_pointwise(x[..., a:b].contiguous(), first, bias, "none", [], "")
+        for (a, b), block in zip(self.bounds[1:], self.blocks[1:], strict=True):
+            y = torch.ops.mkldnn._linear_pointwise.binary(x[..., a:b].contiguous(), y, block, None, "add")
+        return y
+
+
+def _pieces(k: int, pieces: int) -> list[tuple[int, int]]:
+    """The bounds of ``pieces`` equal slices of ``k`` inputs (the last one shorter)."""
+    width = -(-k // pieces)
+    return [(a, min(a + width, k)) for a in range(0, k, width)]
+
+
+def _order_probe(n: int, bounds: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [n, in] and DISTINCT_ROWS rows [DISTINCT_ROWS, in], bfloat16, whose products show
+    any change in the order of a piece's sums (``PackedWeight.invariant``).
+
+    Random ones rarely do: two orders' float32 sums differ in their last bits, which the bfloat16
+    output mostly rounds away (on random rows a 576-output, 2-row product showed none of the orders
+    the embedded model's runs told apart). So each piece opens with PROBE_BIG against a weight of 1
+    and closes with PROBE_BIG against -1: the two cancel, while every term between them is added to
+    a sum of PROBE_BIG's size and rounded at its float32 spacing (1/8). Another grouping rounds
+    other sums there, which moves the result, of the small terms' size (~sqrt(in)), by more than
+    its bfloat16 spacing; the same order gives the same bits.
+    """
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, bounds[-1][1], generator=gen)
+    rows = torch.randn(DISTINCT_ROWS, bounds[-1][1], generator=gen)
+    for a, b in bounds:
+        weight[:, a], weight[:, b - 1] = 1.0, -1.0
+        rows[:, a] = rows[:, b - 1] = PROBE_BIG
+    return weight.to(torch.bfloat16), rows.to(torch.bfloat16)
 
 
 class PassLinears:
@@ -120,6 +225,8 @@ class PassLinears:
       CPU's bf16 instructions at 1.1-1.6x the speed over 1-17 rows (``benchmarks/bench_pass.py``).
       The packed copy doubles those weights' memory, so it is made only while the copies fit in
       PACKED_MEMORY_SHARE of the host's available memory (a 7B model's 14 GB mostly would not).
+      Each shape is packed the way that gives a verify pass's rows one-row products' bits on this
+      CPU (``PackedWeight.fit``); ``row_invariant`` says whether every linear of the models is.
 
     Decided once, when the pair is built: each plain ``nn.Linear`` taking a path gets an instance
     ``forward`` that is ``F.linear`` unless its thread is inside an agentspec pass (``pass_rows``). So
@@ -134,20 +241,45 @@ class PassLinears:
     def __init__(self, *models: torch.nn.Module, skip: Iterable[torch.nn.Module] = ()):
         self.linears: list[torch.nn.Linear] = []  # those given the forward here
         self.packed_bytes = 0  # held by the prepacked copies
+        # whether every linear the models' passes compute is a PackedWeight, whose rows are one-row
+        # products' bits (``row_invariant``)
+        self.row_invariant = True
+        self._fits: dict[tuple[int, int], tuple[int, bool]] = {}  # (out, in): PackedWeight.fit's way
         budget = _available_memory() * PACKED_MEMORY_SHARE
         skipped = {id(m) for m in skip}  # never called in a pass (``lean.LeanForward.replaced``)
         for model in models:
             for m in model.modules():
-                if type(m) is not torch.nn.Linear or "forward" in vars(m) or id(m) in skipped:
+                if not isinstance(m, torch.nn.Linear) or id(m) in skipped:
                     continue
-                if _large(m):
-                    m.forward = partial(_pass_forward, m, None)
-                elif _packable(m) and self.packed_bytes + _nbytes(m.weight) <= budget:
-                    m.forward = partial(_pass_forward, m, _pack(m.weight))
+                if type(m) is not torch.nn.Linear or "forward" in vars(m):
+                    self.row_invariant &= _packed_here(m)  # else its own forward: not ours to make invariant
+                    continue
+                packed = _packable(m) and self.packed_bytes + _nbytes(m.weight) <= budget
+                self.row_invariant &= packed  # F.linear and weight-first sum rows in the kernel's order
+                if packed:
+                    m.forward = partial(_pass_forward, m, self._packed(m.weight))
                     self.packed_bytes += _nbytes(m.weight)
+                elif _large(m):
+                    m.forward = partial(_pass_forward, m, None)
                 else:
                     continue
                 self.linears.append(m)
+
+    def _packed(self, weight: torch.Tensor) -> PackedWeight:
+        """``weight`` packed the way ``PackedWeight.fit`` found for its shape (checked once a shape)."""
+        shape = (weight.shape[0], weight.shape[1])
+        if shape not in self._fits:
+            fitted = PackedWeight.fit(weight)
+            self._fits[shape] = (fitted.pieces, fitted.rowwise)
+            return fitted
+        pieces, rowwise = self._fits[shape]
+        return PackedWeight(weight, pieces, rowwise)
+
+
+def _packed_here(linear: torch.nn.Linear) -> bool:
+    """Whether ``linear`` runs a PackedWeight in passes (given one by an earlier pair on its model)."""
+    forward = vars(linear).get("forward")
+    return isinstance(forward, partial) and forward.func is _pass_forward and forward.args[1] is not None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -169,12 +301,6 @@ def cpu_has_bf16() -> bool:
     """Whether this CPU has bfloat16 instructions (AVX-512 BF16; AMX CPUs have them too). torch
     exposes it only privately, as torch.compile's CPU backend reads it."""
     return torch.cpu._is_avx512_bf16_supported()
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` in oneDNN's blocked layout for a linear (a copy; 1: the rows a pass usually has)."""
-    with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
 def _available_memory() -> int:

@@ -311,8 +311,9 @@ class ModelPair:
     @property
     def invariant_rows(self) -> int | None:
         """The most rows a pass of the target computes each as a one-row pass does, where passes are
-        held to that (``attention.invariant_rows``); None: not held (the lossless tests bound them)."""
-        return invariant_rows(self.device, self.dtype)
+        held to that (``attention.invariant_rows``, with every linear row-invariant on this CPU:
+        ``kv.PassLinears.row_invariant``); None: not held (the lossless tests bound them)."""
+        return invariant_rows(self.device, self.dtype) if self.pass_linears.row_invariant else None
 
     @property
     def eos_token_ids(self) -> set[int]:

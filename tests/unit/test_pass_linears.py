@@ -108,8 +108,41 @@ def test_bfloat16_linears_are_not_packed_past_the_memory_share(monkeypatch):
     monkeypatch.setattr(kv, "_available_memory", lambda: 4 * (96 * 64 * 2))  # a share of 1/4: one fits
     monkeypatch.setattr(kv, "cpu_has_bf16", lambda: True)
     first, second = linear(96, 64, dtype=torch.bfloat16), linear(96, 64, dtype=torch.bfloat16)
-    assert kv.PassLinears(torch.nn.Sequential(first, second)).linears == [first]
+    found = kv.PassLinears(torch.nn.Sequential(first, second))
+    assert found.linears == [first]
     assert not installed(second)
+    assert not found.row_invariant  # the second sums its rows in F.linear's order, whatever that is
+
+
+@needs_bf16
+@pytest.mark.parametrize("n_in", [64, 1536, 3000])
+def test_a_fitted_weight_gives_every_row_a_one_row_products_bits(n_in):
+    """What ``fit`` promises, checked apart from its own check: on this CPU, each row of a product of
+    2..INVARIANT_ROWS rows has the bits that row gets alone (1,536 inputs: the embedded model's MLP
+    down-projection, whose whole-weight product was not row-invariant on an AMD EPYC nor on an Intel Xeon)."""
+    lin = linear(n_out=80, n_in=n_in, dtype=torch.bfloat16)
+    packed = kv.PackedWeight.fit(lin.weight)
+    x = torch.randn(1, kv.INVARIANT_ROWS, n_in, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    alone = torch.cat([packed(x[:, i : i + 1], lin.bias) for i in range(kv.INVARIANT_ROWS)], dim=1)
+    for m in (2, 3, 5, 9, 17, kv.INVARIANT_ROWS):
+        way = f"{m=} {packed.pieces=} {packed.rowwise=}"
+        assert torch.equal(packed(x[:, :m], lin.bias), alone[:, :m]), way
+    reference = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(alone, reference, atol=0.1, rtol=0.02)
+
+
+@needs_bf16
+@pytest.mark.parametrize(("pieces", "rowwise"), [(1, False), (3, False), (1, True), (3, True)])
+@pytest.mark.parametrize("rows", [1, 4, kv.INVARIANT_ROWS + 3])
+def test_each_way_of_a_packed_weight_computes_the_linear(pieces, rowwise, rows):
+    lin = linear(n_out=80, n_in=900, dtype=torch.bfloat16)
+    packed = kv.PackedWeight(lin.weight, pieces, rowwise)
+    assert len(packed.blocks) == pieces
+    x = torch.randn(1, rows, 900).to(torch.bfloat16)
+    got = packed(x, lin.bias)
+    assert got.shape == (1, rows, 80)
+    # bfloat16's tolerance: each piece's partial sum is rounded to bfloat16 once more
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=0.1, rtol=0.02)
 
 
 def test_bfloat16_linears_are_left_alone_without_bf16_instructions(monkeypatch):
