@@ -152,7 +152,7 @@ class PackedWeight:
     def fit(cls, weight: torch.Tensor) -> PackedWeight:
         """The first way (see the class doc) whose rows this CPU computes as one-row products."""
         n, k = weight.shape
-        for pieces in range(1, k // MIN_PIECE + 1):
+        for pieces in range(1, max(1, k // MIN_PIECE) + 1):  # a weight narrower than MIN_PIECE: whole
             probe, rows = _order_probe(min(n, CHECK_OUTPUTS), _pieces(k, pieces))
             if cls(probe, pieces).invariant(rows):
                 return cls(weight, pieces)
