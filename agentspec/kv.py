@@ -35,6 +35,9 @@ PACKED_MEMORY_SHARE = 0.25
 # ``attention.row_by_row``): a verify pass's (the last verified token and its drafts); a prefill,
 # chunked or not, is not held to it
 INVARIANT_ROWS = 32
+# The row counts ``PackedWeight.fit`` tries padding a product to, before cutting the weight: a decode
+# pass is bound by reading its weights, so a few more rows cost it little
+PADS = (1, 2, 4, 8)
 # A packed weight is cut along its inputs into pieces at least this wide (``PackedWeight.invariant``):
 # narrower, the kernel's own blocking is not what orders the sums, and rows go one by one instead
 MIN_PIECE = 256
@@ -128,34 +131,42 @@ class PackedWeight:
 
     Why: oneDNN's bf16 kernels accumulate in float32, but how they block the inputs' dimension
     depends on the row count, the output count and the CPU (its caches, its ISA): past some width
-    (1,024 inputs on an Intel Xeon with AVX-512 BF16; 1,152 on an AMD EPYC, from 4 to 15 rows by
-    shape) a several-row product sums in another order than a one-row one, and bfloat16's rounding
-    turns that into other logits, so speculative decoding would leave plain decoding's tokens at
-    near-ties. PyTorch has no switch for the order, so ``fit`` measures it: the whole weight where the
-    kernel is row-invariant; else the weight cut into ``pieces`` of equal width, each a product
-    narrow enough to be, chained by the kernel's own add post-op (each piece's sum is added in
-    float32 to the previous pieces' bfloat16 result: one more rounding a piece); else, where no
-    piece width of at least MIN_PIECE is, each row as its own one-row product.
+    (1,024 inputs on an Intel Xeon with AVX-512 BF16; 1,152 on an AMD EPYC) a several-row product
+    sums in another order than a one-row one, and bfloat16's rounding turns that into other logits,
+    so speculative decoding would leave plain decoding's tokens at near-ties. PyTorch has no switch
+    for the order, so ``fit`` measures it and takes the first way that holds, cheapest first:
+
+    - ``pad``: a product of fewer rows is computed padded with zero rows to ``pad`` rows, so that a
+      one-row step runs the kernel that several rows run (on the AMD EPYC, 1 row sums in one order
+      and 2 to 64 rows in another); a decode pass reads its weights once whatever its few rows, so
+      this costs little (1 is the whole weight as it is);
+    - ``pieces``: the weight cut along its inputs into pieces of equal width, each a product narrow
+      enough to be row-invariant, chained by the kernel's own add post-op (each piece's sum is added
+      in float32 to the previous pieces' bfloat16 result: one more rounding a piece; a one-row product
+      costs about twice the whole weight's);
+    - ``rowwise``: each row its own one-row product.
     """
 
-    def __init__(self, weight: torch.Tensor, pieces: int = 1, rowwise: bool = False):
-        self.pieces = pieces
+    def __init__(self, weight: torch.Tensor, pieces: int = 1, pad: int = 1, rowwise: bool = False):
+        self.way = (pieces, pad, rowwise)  # what ``fit`` found, to pack another weight of the shape so
+        self.pieces, self.pad, self.rowwise = pieces, pad, rowwise
         self.bounds = _pieces(weight.shape[1], pieces)
         with torch.no_grad():
             self.blocks = [
-                torch.ops.mkldnn._reorder_linear_weight(weight.detach()[:, a:b].contiguous(), 1)
+                torch.ops.mkldnn._reorder_linear_weight(weight.detach()[:, a:b].contiguous(), max(pad, 1))
                 for a, b in self.bounds
-            ]  # 1: the rows a pass usually has
-        self.rowwise = rowwise
+            ]  # the rows the kernel is packed for: a one-row pass's
 
     @classmethod
     def fit(cls, weight: torch.Tensor) -> PackedWeight:
         """The first way (see the class doc) whose rows this CPU computes as one-row products."""
         n, k = weight.shape
-        for pieces in range(1, max(1, k // MIN_PIECE) + 1):  # a weight narrower than MIN_PIECE: whole
-            probe, rows = _order_probe(min(n, CHECK_OUTPUTS), _pieces(k, pieces))
-            if cls(probe, pieces).invariant(rows):
-                return cls(weight, pieces)
+        ways = [(1, pad, False) for pad in PADS]
+        ways += [(pieces, 1, False) for pieces in range(2, k // MIN_PIECE + 1)]
+        for way in ways:
+            probe, rows = _order_probe(min(n, CHECK_OUTPUTS), _pieces(k, way[0]))
+            if cls(probe, *way).invariant(rows):
+                return cls(weight, *way)
         return cls(weight, rowwise=True)
 
     def invariant(self, rows: torch.Tensor) -> bool:
@@ -167,10 +178,15 @@ class PackedWeight:
         return all(torch.equal(self(x[:m], None), expected[:m]) for m in range(2, INVARIANT_ROWS + 1))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.shape[-2] if x.dim() > 1 else 1
+        flat = x.reshape(-1, x.shape[-1])  # oneDNN's rows: every leading dimension's
+        rows = len(flat)
         if self.rowwise and 1 < rows <= INVARIANT_ROWS:
-            return torch.cat([self._product(x[..., i : i + 1, :], bias) for i in range(rows)], dim=-2)
-        return self._product(x, bias)
+            y = torch.cat([self._product(flat[i : i + 1], bias) for i in range(rows)])
+        elif rows < self.pad:
+            y = self._product(torch.nn.functional.pad(flat, (0, 0, 0, self.pad - rows)), bias)[:rows]
+        else:
+            y = self._product(flat, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if len(self.blocks) == 1:
@@ -244,7 +260,7 @@ class PassLinears:
         # whether every linear the models' passes compute is a PackedWeight, whose rows are one-row
         # products' bits (``row_invariant``)
         self.row_invariant = True
-        self._fits: dict[tuple[int, int], tuple[int, bool]] = {}  # (out, in): PackedWeight.fit's way
+        self._fits: dict[tuple[int, int], tuple[int, int, bool]] = {}  # (out, in): PackedWeight.way
         budget = _available_memory() * PACKED_MEMORY_SHARE
         skipped = {id(m) for m in skip}  # never called in a pass (``lean.LeanForward.replaced``)
         for model in models:
@@ -268,12 +284,11 @@ class PassLinears:
     def _packed(self, weight: torch.Tensor) -> PackedWeight:
         """``weight`` packed the way ``PackedWeight.fit`` found for its shape (checked once a shape)."""
         shape = (weight.shape[0], weight.shape[1])
-        if shape not in self._fits:
-            fitted = PackedWeight.fit(weight)
-            self._fits[shape] = (fitted.pieces, fitted.rowwise)
-            return fitted
-        pieces, rowwise = self._fits[shape]
-        return PackedWeight(weight, pieces, rowwise)
+        if shape in self._fits:
+            return PackedWeight(weight, *self._fits[shape])
+        fitted = PackedWeight.fit(weight)
+        self._fits[shape] = fitted.way
+        return fitted
 
 
 def _packed_here(linear: torch.nn.Linear) -> bool:

@@ -125,22 +125,24 @@ def test_a_fitted_weight_gives_every_row_a_one_row_products_bits(n_in):
     x = torch.randn(1, kv.INVARIANT_ROWS, n_in, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     alone = torch.cat([packed(x[:, i : i + 1], lin.bias) for i in range(kv.INVARIANT_ROWS)], dim=1)
     for m in (2, 3, 5, 9, 17, kv.INVARIANT_ROWS):
-        way = f"{m=} {packed.pieces=} {packed.rowwise=}"
+        way = f"{m=} {packed.way=}"
         assert torch.equal(packed(x[:, :m], lin.bias), alone[:, :m]), way
     reference = torch.nn.functional.linear(x, lin.weight, lin.bias)
     torch.testing.assert_close(alone, reference, atol=0.1, rtol=0.02)
 
 
 @needs_bf16
-@pytest.mark.parametrize(("pieces", "rowwise"), [(1, False), (3, False), (1, True), (3, True)])
-@pytest.mark.parametrize("rows", [1, 4, kv.INVARIANT_ROWS + 3])
-def test_each_way_of_a_packed_weight_computes_the_linear(pieces, rowwise, rows):
+@pytest.mark.parametrize("way", [(1, 1, False), (3, 1, False), (1, 4, False), (1, 1, True), (3, 1, True)])
+@pytest.mark.parametrize("shape", [(1,), (1, 1), (1, 3), (2, 3), (1, kv.INVARIANT_ROWS + 3)])
+def test_each_way_of_a_packed_weight_computes_the_linear(way, shape):
+    """Whole, cut into pieces, padded to 4 rows, row by row: the linear's product to bfloat16's
+    rounding, for any leading dimensions (one row, a batch, a prefill)."""
     lin = linear(n_out=80, n_in=900, dtype=torch.bfloat16)
-    packed = kv.PackedWeight(lin.weight, pieces, rowwise)
-    assert len(packed.blocks) == pieces
-    x = torch.randn(1, rows, 900).to(torch.bfloat16)
+    packed = kv.PackedWeight(lin.weight, *way)
+    assert len(packed.blocks) == way[0] and packed.way == way
+    x = torch.randn(*shape, 900).to(torch.bfloat16)
     got = packed(x, lin.bias)
-    assert got.shape == (1, rows, 80)
+    assert got.shape == (*shape, 80)
     # bfloat16's tolerance: each piece's partial sum is rounded to bfloat16 once more
     torch.testing.assert_close(got, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=0.1, rtol=0.02)
 
