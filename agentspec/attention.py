@@ -54,6 +54,8 @@ def grouped_sdpa_forward(
         return pack.attend(module, query, dropout, scaling, **kwargs)
     if query.shape[2] > 1 and attention_mask is not None and row_by_row(query):
         return _row_by_row(module, query, key, value, dropout, scaling, **kwargs)
+    if attention_mask is None and _folds_one_row(module, query, kwargs):
+        return _folded_one_row(module, query, key, value, dropout, scaling)
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (
         groups == 1
@@ -113,18 +115,52 @@ def row_by_row(query: torch.Tensor) -> bool:
 
 
 def _row_by_row(module, query, key, value, dropout, scaling, **kwargs):
-    """Causal attention of each query row over the keys up to its own position, as ``sdpa`` runs a
-    one-row pass (no mask: the row sees every key it is given)."""
+    """Causal attention of each query row over the keys up to its own position, as a one-row pass
+    attends (no mask: the row sees every key it is given)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     outs = []
     for i in range(q_len):
         end = kv_len - q_len + i + 1
-        out, _ = sdpa_attention_forward(
-            module, query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end], None,
-            dropout=dropout, scaling=scaling, **kwargs,
-        )  # fmt: skip
+        row, k, v = query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end]
+        if _folds_one_row(module, row, kwargs):
+            out, _ = _folded_one_row(module, row, k, v, dropout, scaling)
+        else:
+            out, _ = sdpa_attention_forward(
+                module, row, k, v, None, dropout=dropout, scaling=scaling, **kwargs
+            )
         outs.append(out)
     return torch.cat(outs, dim=1), None
+
+
+# Where one query row attends with its KV head's query heads folded into rows (``_folded_one_row``):
+# on a CPU, SDPA's bfloat16 kernel for a one-row query is several times slower than for a few rows
+# (benchmarks/bench_one_row_attention.py, results/one_row_attention.json); float32's is not
+FOLD_ONE_ROW_DTYPES = {torch.bfloat16}
+
+
+def _folds_one_row(module, query: torch.Tensor, kwargs: dict) -> bool:
+    """Whether a one-row query (no mask) attends through ``_folded_one_row``."""
+    return (
+        query.shape[2] == 1
+        and query.device.type == "cpu"
+        and query.dtype in FOLD_ONE_ROW_DTYPES
+        and getattr(module, "num_key_value_groups", 1) > 1
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
+
+
+def _folded_one_row(module, query, key, value, dropout, scaling):
+    """A one-row query [B, Hkv*G, 1, D] over unrepeated keys [B, Hkv, kv, D], as rows [B, Hkv, G, D]
+    of its KV heads (every row sees every key: no mask). Contiguous, so that a verify pass's row
+    (a slice of its query) and a one-row step's reach the kernel alike."""
+    batch, heads, _, dim = query.shape
+    groups = module.num_key_value_groups
+    folded = query.reshape(batch, heads // groups, groups, dim).contiguous()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = sdpa(folded, key, value, dropout_p=dropout, scale=scaling)
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(NAME, grouped_sdpa_forward)

@@ -13,8 +13,9 @@ the packed pass (``agentspec.packed``) and the pass linears (``kv.PassLinears``)
 - ``torch.rms_norm`` for each layer's norms; rotary embedding applied to q and k in one op set, from
   the model's own ``rotary_emb`` (every RoPE scaling transformers knows);
 - attention per sequence on its own cache, through ``agentspec_sdpa``'s function with the mask a solo
-  pass would have (one row: grouped heads; a bfloat16 verify pass on a CPU: row by row, which keeps
-  it row-invariant; otherwise query groups folded into rows over a causal mask);
+  pass would have (one row: grouped heads, on a CPU in bfloat16 folded into rows of their KV head; a
+  bfloat16 verify pass on a CPU: row by row, each row as one row is, which keeps it row-invariant;
+  otherwise query groups folded into rows over a causal mask);
 - the final norm only through the model's own module (an EAGLE head's hook reads it), the LM head
   only over the rows a caller keeps.
 

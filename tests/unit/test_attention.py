@@ -89,6 +89,31 @@ def test_folding_matches_the_reference_kernel(target):
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_a_bfloat16_cpu_row_without_a_mask_folds_and_matches_the_reference_kernel(target, monkeypatch):
+    """One query row, no mask, bfloat16 on a CPU: its KV head's query heads as rows of one call
+    (``attention._folded_one_row``: SDPA's bfloat16 one-row kernel is the slow one), the values of
+    transformers' grouped heads to bfloat16's rounding; float32 and several rows keep that path."""
+    module = target.model.layers[0].self_attn  # 4 query heads on 2 KV heads
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 1, 4, 8, generator=gen).transpose(1, 2).to(torch.bfloat16)
+    key, value = (torch.randn(1, 2, 30, 8, generator=gen).to(torch.bfloat16) for _ in range(2))
+    ours, _ = grouped_sdpa_forward(module, query, key, value, None, scaling=0.3)
+    ref, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.3)
+    assert ours.shape == ref.shape == (1, 1, 4, 8)
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=0.02, atol=0.02)
+    kernel = torch.nn.functional.scaled_dot_product_attention
+    seen = []  # (query heads, rows) of each kernel call
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: seen.append(tuple(a[0].shape[1:3])) or kernel(*a, **k),
+    )
+    grouped_sdpa_forward(module, query, key, value, None)
+    grouped_sdpa_forward(module, query.float(), key.float(), value.float(), None)
+    grouped_sdpa_forward(module, query.expand(1, 4, 3, 8), key, value, None)
+    assert seen == [(2, 2), (4, 1), (4, 3)]
+
+
 def test_folded_rows_follow_the_kv_heads():
     query = torch.arange(6 * 3).reshape(1, 6, 3, 1)  # 6 query heads, 3 tokens
     mask = torch.arange(3 * 4).reshape(1, 1, 3, 4)
