@@ -68,7 +68,8 @@ class Settings:
         return replace(self, max_new_tokens=self.max_new_tokens or (24 if quick else 96), out=Path(self.out))
 
 
-def environment(pair) -> dict[str, Any]:
+def environment(pair=None) -> dict[str, Any]:
+    """The machine, the packages and the commit a benchmark ran on; the pair's models where given."""
     import transformers
 
     cpu = platform.processor() or ""
@@ -99,14 +100,14 @@ def environment(pair) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "agentspec": agentspec.__version__,
-        "model": pair.name,
-        "draft_model": pair.draft_name,
-        "device": str(pair.device),
-        "dtype": str(pair.dtype),
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty_paths": (git("status", "--porcelain") or "").splitlines(),
         "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+    if pair is None:
+        return env
+    env |= {"model": pair.name, "draft_model": pair.draft_name}
+    env |= {"device": str(pair.device), "dtype": str(pair.dtype)}
     if pair.device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(pair.device)
     return env
