@@ -142,6 +142,8 @@ class RadixCache:
 
     @property
     def bytes_used(self) -> int:
+        """The device tier's bytes now, read without the lock: while another thread inserts, this
+        may include segments its insert is about to evict (``within_budgets`` reads under it)."""
         return self.device.bytes_used
 
     # --- lookup -------------------------------------------------------------------------------
@@ -407,6 +409,16 @@ class RadixCache:
     def __len__(self) -> int:
         with self.lock:
             return sum(1 for _ in self._nodes())
+
+    def within_budgets(self) -> bool:
+        """Whether each tier's bytes are within its budget but for the nodes lookups hold now: the
+        docstring's budget invariant, for a tree in use (``check`` asserts all of them on an idle one)."""
+        with self.lock:
+            held = {id(t): 0 for t in self.tiers}
+            for nd in self._nodes():
+                if nd.lock_ref:
+                    held[id(nd.tier)] += nd.nbytes
+            return all(t.bytes_used <= t.budget + held[id(t)] for t in self.tiers)
 
     def check(self) -> None:
         """Assert the invariants in the module docstring."""

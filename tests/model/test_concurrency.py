@@ -88,7 +88,9 @@ def test_eight_threads_of_mixed_calls_match_their_sequential_replies(pair, expec
             for _ in range(20):
                 kind, q, drafter = rng.choice(KINDS), rng.randrange(len(QUESTIONS)), rng.choice(DRAFTERS)
                 _check(expected, kind, q, _reply(llm, kind, q, drafter))
-                assert pair.prefix_cache.bytes_used <= BUDGET
+                # under the tree's lock: read without it, bytes_used may catch another thread's
+                # insert between adding its segments and evicting (4.42 MB once, on an AMD EPYC)
+                assert pair.prefix_cache.tree.within_budgets()
                 done.append(kind)
         except BaseException as exc:  # reported by the main thread
             failures.append(exc)

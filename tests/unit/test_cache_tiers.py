@@ -41,6 +41,25 @@ def node_of(tree: RadixCache, ids: list[int], namespace="ns"):
 A, B, C, D = [1] * 10, [2] * 10, [3] * 10, [4] * 10  # four prefixes sharing nothing, 160 bytes each
 
 
+def test_within_budgets_allows_only_what_a_lookup_holds():
+    """The budget invariant on a tree in use: over a tier's budget only by nodes a lookup holds
+    (locked: never evicted), and not at all once they are released."""
+    tree = two_tiers(device_tokens=20, host_tokens=0)
+    for ids in (A, B):
+        tree.insert("ns", ids, "target", fake_kv(ids))
+    assert tree.within_budgets()
+    with tree.lock:
+        match = tree._match("ns", A, ["target"])  # A held, as within a lookup
+        tree.device.budget = 5 * BYTES_PER_TOKEN  # less than A alone
+        tree.insert("ns", C, "target", fake_kv(C))  # B and C go at its eviction; A cannot
+        assert tree.device.bytes_used == 160 > tree.device.budget and node_of(tree, A).lock_ref
+        assert tree.within_budgets()
+        tree._release(match)  # its eviction drops A
+    assert tree.within_budgets() and tree.device.bytes_used == 0
+    tree.device.bytes_used += 1 + tree.device.budget  # a miscount: over, and nothing held
+    assert not tree.within_budgets()
+
+
 def test_device_evictions_move_to_the_host_in_lru_order():
     tree = two_tiers(device_tokens=20, host_tokens=10)
     for ids in (A, B):
