@@ -29,15 +29,17 @@ from agentspec.kv import INVARIANT_ROWS, in_pass
 NAME = "agentspec_sdpa"
 
 
-def fold_groups(query: torch.Tensor, mask: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query [B, Hkv*G, q, D] -> [B, Hkv, G*q, D]; mask [b, 1, q, kv] -> [b, 1, G*q, kv].
+def fold_groups(
+    query: torch.Tensor, mask: torch.Tensor | None, groups: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Query [B, Hkv*G, q, D] -> [B, Hkv, G*q, D]; mask [b, 1, q, kv] -> [b, 1, G*q, kv] (None: none).
 
     Query head h reads KV head h // G (``repeat_kv``'s order), so the G heads of a KV head are
     adjacent and fold into its rows; row g*q + i of the folded mask is row i of the mask.
     """
     batch, heads, q_len, dim = query.shape
     folded = query.reshape(batch, heads // groups, groups * q_len, dim)
-    if mask.shape[2] == 1:  # one row broadcasts over every folded row
+    if mask is None or mask.shape[2] == 1:  # one row broadcasts over every folded row
         return folded, mask
     b, _, _, kv_len = mask.shape
     rows = mask[:, :, None].expand(b, 1, groups, q_len, kv_len).reshape(b, 1, groups * q_len, kv_len)
@@ -54,54 +56,68 @@ def grouped_sdpa_forward(
         return pack.attend(module, query, dropout, scaling, **kwargs)
     if query.shape[2] > 1 and attention_mask is not None and row_by_row(query):
         return _row_by_row(module, query, key, value, dropout, scaling, **kwargs)
-    if attention_mask is None and _folds_one_row(module, query, kwargs):
-        return _folded_one_row(module, query, key, value, dropout, scaling)
     groups = getattr(module, "num_key_value_groups", 1)
-    plain = (
+    if _folds(query, attention_mask, groups, kwargs):
+        return _folded(query, key, value, attention_mask, groups, dropout, scaling), None
+    return sdpa_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        is_causal=is_causal,
+        **kwargs,
+    )
+
+
+# Where one query row without a mask folds too (``_folds``): on a CPU, SDPA's bfloat16 kernel for a
+# one-row query is several times slower than for a few rows (benchmarks/bench_one_row_attention.py,
+# results/one_row_attention.json); float32's is not, and there transformers' path takes the kernels'
+# own grouped heads
+FOLD_ONE_ROW_DTYPES = {torch.bfloat16}
+
+
+def _folds(query: torch.Tensor, mask: torch.Tensor | None, groups: int, kwargs: dict) -> bool:
+    """Whether the query groups fold into rows (``_folded``): under a mask the heads share, or as one
+    bfloat16 row on a CPU without one; every other case is transformers' own path."""
+    if (
         groups == 1
-        or attention_mask is None  # transformers then uses the kernels' own grouped heads
-        or attention_mask.shape[1] != 1  # a mask per head does not fold
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
         or kwargs.get("output_attentions", False)
-    )
-    if plain:
-        return sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **kwargs,
-        )
-    batch, heads, q_len, dim = query.shape
-    folded, mask = fold_groups(query, attention_mask, groups)
+    ):
+        return False
+    if mask is None:
+        return query.shape[2] == 1 and query.device.type == "cpu" and query.dtype in FOLD_ONE_ROW_DTYPES
+    return mask.shape[1] == 1  # a mask per head does not fold
+
+
+def _folded(query, key, value, mask, groups: int, dropout, scaling) -> torch.Tensor:
+    """SDPA over the query groups folded into rows of the unrepeated KV heads; [B, q, heads, Dv]."""
+    batch, heads, q_len, _ = query.shape
+    folded, mask = fold_groups(query, mask, groups)
+    if mask is None:  # a verify pass's row (a slice of its query) reaches the kernel as a step's does
+        folded = folded.contiguous()
     out = torch.nn.functional.scaled_dot_product_attention(
         folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )  # [B, Hkv, G*q, Dv]
-    out = out.reshape(batch, heads, q_len, value.shape[-1])
-    return out.transpose(1, 2).contiguous(), None
-
-
-# The most rows a pass attends row by row (``row_by_row``): a verify pass's (the last verified token
-# and the drafts), as many as its linears keep row-invariant (``kv.PackedWeight``); a prefill, chunked
-# or not, keeps one call (a row's call costs ~30 us a layer).
-ROW_BY_ROW_MAX = INVARIANT_ROWS
+    return out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 def invariant_rows(device: torch.device, dtype: torch.dtype) -> int | None:
     """The most rows an agentspec pass on ``device`` in ``dtype`` computes each exactly as a one-row
-    pass would (``row_by_row``); None where no pass is held to that (float32, GPUs: see below)."""
-    return ROW_BY_ROW_MAX if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else None
+    pass would (``row_by_row``): a verify pass's (the last verified token and the drafts), as many as
+    its linears keep row-invariant (``kv.INVARIANT_ROWS``); a prefill, chunked or not, keeps one call
+    (a row's call costs ~30 us a layer). None where no pass is held to that (float32, GPUs: below)."""
+    return INVARIANT_ROWS if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else None
 
 
 def row_by_row(query: torch.Tensor) -> bool:
     """Whether a pass's query rows attend one by one, each as a one-row pass would: in agentspec's own
     verify-sized passes (``kv.pass_rows``: one sequence, a causal mask after its cache; at most
-    ROW_BY_ROW_MAX rows) on a CPU in a dtype coarser than float32. There the attention kernel for
+    ``invariant_rows`` rows) on a CPU in a dtype coarser than float32. There the attention kernel for
     several rows sums in another order than the one-row kernel, and bfloat16 rounding turns that
     into other logits; with the prepacked linears (``kv.PackedWeight``), which compute each row as a
     one-row pass does (checked on this CPU when packed), a verify pass's rows are then bit-identical
@@ -118,49 +134,20 @@ def _row_by_row(module, query, key, value, dropout, scaling, **kwargs):
     """Causal attention of each query row over the keys up to its own position, as a one-row pass
     attends (no mask: the row sees every key it is given)."""
     q_len, kv_len = query.shape[2], key.shape[2]
+    groups = getattr(module, "num_key_value_groups", 1)
+    fold = _folds(query[:, :, :1], None, groups, kwargs)  # as a one-row pass's, the same for every row
     outs = []
     for i in range(q_len):
         end = kv_len - q_len + i + 1
         row, k, v = query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end]
-        if _folds_one_row(module, row, kwargs):
-            out, _ = _folded_one_row(module, row, k, v, dropout, scaling)
+        if fold:
+            outs.append(_folded(row, k, v, None, groups, dropout, scaling))
         else:
             out, _ = sdpa_attention_forward(
                 module, row, k, v, None, dropout=dropout, scaling=scaling, **kwargs
-            )
-        outs.append(out)
+            )  # fmt: skip
+            outs.append(out)
     return torch.cat(outs, dim=1), None
-
-
-# Where one query row attends with its KV head's query heads folded into rows (``_folded_one_row``):
-# on a CPU, SDPA's bfloat16 kernel for a one-row query is several times slower than for a few rows
-# (benchmarks/bench_one_row_attention.py, results/one_row_attention.json); float32's is not
-FOLD_ONE_ROW_DTYPES = {torch.bfloat16}
-
-
-def _folds_one_row(module, query: torch.Tensor, kwargs: dict) -> bool:
-    """Whether a one-row query (no mask) attends through ``_folded_one_row``."""
-    return (
-        query.shape[2] == 1
-        and query.device.type == "cpu"
-        and query.dtype in FOLD_ONE_ROW_DTYPES
-        and getattr(module, "num_key_value_groups", 1) > 1
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-        and not kwargs.get("output_attentions", False)
-    )
-
-
-def _folded_one_row(module, query, key, value, dropout, scaling):
-    """A one-row query [B, Hkv*G, 1, D] over unrepeated keys [B, Hkv, kv, D], as rows [B, Hkv, G, D]
-    of its KV heads (every row sees every key: no mask). Contiguous, so that a verify pass's row
-    (a slice of its query) and a one-row step's reach the kernel alike."""
-    batch, heads, _, dim = query.shape
-    groups = module.num_key_value_groups
-    folded = query.reshape(batch, heads // groups, groups, dim).contiguous()
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    out = sdpa(folded, key, value, dropout_p=dropout, scale=scaling)
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(NAME, grouped_sdpa_forward)

@@ -91,7 +91,7 @@ def test_folding_matches_the_reference_kernel(target):
 
 def test_a_bfloat16_cpu_row_without_a_mask_folds_and_matches_the_reference_kernel(target, monkeypatch):
     """One query row, no mask, bfloat16 on a CPU: its KV head's query heads as rows of one call
-    (``attention._folded_one_row``: SDPA's bfloat16 one-row kernel is the slow one), the values of
+    (``attention._folded``: SDPA's bfloat16 one-row kernel is the slow one), the values of
     transformers' grouped heads to bfloat16's rounding; float32 and several rows keep that path."""
     module = target.model.layers[0].self_attn  # 4 query heads on 2 KV heads
     gen = torch.Generator().manual_seed(0)
