@@ -149,7 +149,7 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor, pieces: int = 1, pad: int = 1, rowwise: bool = False):
         self.way = (pieces, pad, rowwise)  # what ``fit`` found, to pack another weight of the shape so
-        self.pieces, self.pad, self.rowwise = pieces, pad, rowwise
+        self.pad, self.rowwise = pad, rowwise
         self.bounds = _pieces(weight.shape[1], pieces)
         with torch.no_grad():
             self.blocks = [
