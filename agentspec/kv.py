@@ -420,7 +420,8 @@ class GrowingLayer(DynamicLayer):
     ``DynamicLayer`` (transformers, ``cache_segments``, the prefix cache, which copies what it saves)
     reads them as before. Adopted tensors (``adopt``: a prefix-cache restore's, the tree's own) are
     never written: the first update copies them into a buffer of the layer's own. Buffers grow by
-    half again what is needed, so a call's appends copy its cache a logarithmic number of times.
+    half again what is needed, so a call's appends copy its cache a logarithmic number of times, and
+    hold whole key blocks (``blocks``).
     """
 
     def __init__(self) -> None:
@@ -445,11 +446,20 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
         return self.keys, self.values
 
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, n, D] through the end of the ``KEY_BLOCK`` that holds the last cached
+        position (``attention.blocked_attention``). Past the cached length they hold zeros or what a
+        pass wrote before a roll-back: finite values, which a mask hides. Only after an update."""
+        end = -(-self.get_seq_length() // KEY_BLOCK) * KEY_BLOCK
+        return self._k[:, :, :end], self._v[:, :, :end]
+
     def _grow(self, need: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        capacity = max(GROW_MIN, need + need // 2)
+        capacity = -(-(need + need // 2) // KEY_BLOCK) * KEY_BLOCK
         held = self.get_seq_length()
-        new_k = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
-        new_v = v.new_empty(v.shape[0], v.shape[1], capacity, v.shape[3])
+        # zeros, not empty memory: ``blocks`` reads past the length, and a NaN there would survive
+        # its mask (a masked key's weight is 0, and 0 x NaN is NaN)
+        new_k = k.new_zeros(k.shape[0], k.shape[1], capacity, k.shape[3])
+        new_v = v.new_zeros(v.shape[0], v.shape[1], capacity, v.shape[3])
         if held:
             new_k[:, :, :held] = self.keys
             new_v[:, :, :held] = self.values
@@ -461,7 +471,9 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-GROW_MIN = 64  # rows a layer's first buffer holds at least
+# A layer's buffer holds whole blocks of this many keys: the block SDPA's CPU kernel splits keys
+# into, over which ``attention.blocked_attention`` attends (``GrowingLayer.blocks``)
+KEY_BLOCK = 512
 
 
 def growing_cache(config: Any) -> DynamicCache:

@@ -37,7 +37,13 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from agentspec.attention import NAME as GROUPED_SDPA
-from agentspec.attention import grouped_sdpa_forward
+from agentspec.attention import (
+    blocked_attention,
+    blocked_fits,
+    blocked_mask,
+    grouped_sdpa_forward,
+    invariant_rows,
+)
 from agentspec.kv import GrowingLayer, in_pass
 from agentspec.packed import PackedPass, causal_mask
 
@@ -138,7 +144,15 @@ class LeanForward:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = decoder.layers[0].self_attn.head_dim
         self.scaling = decoder.layers[0].self_attn.scaling
+        self.groups = self.heads // self.kv_heads
         self.layers = [_Layer(layer, i) for i, layer in enumerate(decoder.layers)]
+        # the passes of at most this many rows attend blocked (``attention.blocked_attention``), each
+        # row with a one-row step's bits, where a pass's rows are held to those and this CPU's kernel
+        # keeps them (``blocked_fits``, checked once here); None: through ``agentspec_sdpa``
+        weight = self.lm_head.weight
+        limit = invariant_rows(weight.device, weight.dtype)
+        fits = limit is not None and blocked_fits(self.kv_heads, self.groups, self.head_dim, weight.dtype)
+        self.blocked_rows = limit if fits else None
         self.fused = [m for layer in self.layers for m in (layer.qkv, layer.gate_up)]
         self.replaced = [m for layer in self.layers for m in layer.replaced]
 
@@ -162,11 +176,14 @@ class LeanForward:
         if agentspec_pack is not None:
             pack = agentspec_pack
             spans = [
-                (state.cache, *span, mask) for state, span, mask in zip(pack.states, pack.spans, pack.masks)
+                self._span(state.cache, *span, mask)
+                for state, span, mask in zip(pack.states, pack.spans, pack.masks)
             ]
         else:
             held, n = cache.get_seq_length(), input_ids.shape[1]
-            spans = [(cache, 0, n, causal_mask(held, n, input_ids.device, self.lm_head.weight.dtype))]
+            spans = [
+                self._span(cache, 0, n, causal_mask(held, n, input_ids.device, self.lm_head.weight.dtype))
+            ]
             if position_ids is None:  # a solo pass's rows follow its cache
                 position_ids = torch.arange(held, held + n, device=input_ids.device)[None]
         x = self.embed(input_ids)
@@ -177,6 +194,17 @@ class LeanForward:
         x = self.final_norm(x)  # the module: an EAGLE head's hook reads its output
         rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self.lm_head.forward(x[:, rows])
+
+    def _span(self, cache: Any, a: int, b: int, mask: torch.Tensor | None) -> tuple:
+        """(cache, a, b, mask, blocked) for the pass's rows a:b over ``cache``: blocked, with its own
+        mask, where ``blocked_rows`` allows and every layer holds whole key blocks (``GrowingLayer``)."""
+        held, n = cache.get_seq_length(), b - a
+        if self.blocked_rows is None or n > self.blocked_rows:
+            return cache, a, b, mask, False
+        if not cache.layers or not all(type(x) is GrowingLayer for x in cache.layers):  # none yet: lazy
+            return cache, a, b, mask, False
+        weight = self.lm_head.weight
+        return cache, a, b, blocked_mask(held, n, self.groups, weight.device, weight.dtype), True
 
     def _layer(self, layer: _Layer, x: torch.Tensor, rope, spans) -> torch.Tensor:
         batch, t, hidden = x.shape
@@ -190,9 +218,15 @@ class LeanForward:
         k = qk[:, :, self.heads :].transpose(1, 2)  # [1, Hkv, T, D]
         v = qkv[..., q_dim + kv_dim :].view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
         outs = []
-        for cache, a, b, mask in spans:
+        for cache, a, b, mask, blocked in spans:
             keys, values = cache.update(k[:, :, a:b], v[:, :, a:b], layer.index)
-            out, _ = grouped_sdpa_forward(layer.attn, q[:, :, a:b], keys, values, mask, scaling=self.scaling)
+            if blocked:
+                keys, values = cache.layers[layer.index].blocks()
+                out = blocked_attention(q[:, :, a:b], keys, values, mask, self.groups, self.scaling)
+            else:
+                out, _ = grouped_sdpa_forward(
+                    layer.attn, q[:, :, a:b], keys, values, mask, scaling=self.scaling
+                )
             outs.append(out)  # [1, n, Hq, D]
         attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         x = x + layer.o_proj.forward(attn.reshape(batch, t, q_dim))

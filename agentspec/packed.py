@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from agentspec.attention import NAME, grouped_sdpa_forward, invariant_rows
 from agentspec.kv import ModelState, PassIds, final_hidden, pass_rows
@@ -83,10 +82,8 @@ class PackedPass:
 
     @staticmethod
     def _one(module, q, k, v, mask, dropout, scaling, **kwargs) -> torch.Tensor:
-        if mask is None:
-            return sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, **kwargs)[
-                0
-            ]
+        """One sequence's attention as its solo pass attends (``agentspec_sdpa``): a one-row step, no
+        mask, takes the same path too (folded in bfloat16 on a CPU), so its bits are the solo step's."""
         return grouped_sdpa_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
 
 

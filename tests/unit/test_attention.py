@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import agentspec
+from agentspec import attention, kv
 from agentspec.attention import NAME, fold_groups, grouped_sdpa_forward, use_grouped_sdpa
 from agentspec.models import ModelPair
 
@@ -112,6 +113,58 @@ def test_a_bfloat16_cpu_row_without_a_mask_folds_and_matches_the_reference_kerne
     grouped_sdpa_forward(module, query.float(), key.float(), value.float(), None)
     grouped_sdpa_forward(module, query.expand(1, 4, 3, 8), key, value, None)
     assert seen == [(2, 2), (4, 1), (4, 3)]
+
+
+def test_a_blocked_mask_gives_each_folded_row_its_causal_end():
+    mask = attention.blocked_mask(600, 3, 2, torch.device("cpu"), torch.bfloat16)
+    assert mask.shape == (1, 1, 8, 1024)  # 2 x 3 rows padded to 8, 603 keys to two whole key blocks
+    assert mask.dtype == torch.bfloat16 and set(mask.unique().tolist()) == {0.0, float("-inf")}
+    visible = (mask[0, 0] == 0).sum(dim=1).tolist()
+    assert visible == [601, 602, 603, 601, 602, 603, 603, 603]  # row g*3 + i sees held + i + 1 keys
+    assert (mask[0, 0, 0, :601] == 0).all()  # a row sees a prefix of the keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_attention_gives_the_reference_kernels_values(target, dtype):
+    """Against transformers' ``sdpa_attention_forward`` over the causal mask and the keys themselves:
+    the keys past the length (zeros, a rolled-back pass's stale ones) are hidden."""
+    module = target.model.layers[0].self_attn  # 4 query heads on 2 KV heads
+    gen = torch.Generator().manual_seed(0)
+    held, n = 530, 6
+    keys, values = (torch.randn(1, 2, kv.KEY_BLOCK * 2, 8, generator=gen).to(dtype) for _ in range(2))
+    keys[:, :, held + n + 5 :] = 0  # stale keys, then zeros, past the length
+    query = torch.randn(1, n, 4, 8, generator=gen).transpose(1, 2).to(dtype)
+    mask = attention.blocked_mask(held, n, 2, query.device, dtype)
+    ours = attention.blocked_attention(query, keys, values, mask, 2, 0.3)
+    causal = torch.ones(n, held + n, dtype=torch.bool).tril(held)[None, None]
+    ref, _ = sdpa_attention_forward(
+        module, query, keys[:, :, : held + n], values[:, :, : held + n], causal, scaling=0.3
+    )
+    assert ours.shape == ref.shape == (1, n, 4, 8)
+    tol = 1e-5 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_blocked_fits_fails_a_kernel_whose_rows_depend_on_their_call(monkeypatch):
+    kernel = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda q, *a, **k: kernel(q, *a, **k) * (1 + q.shape[2] * 2**-10),  # bits that follow the row count
+    )
+    assert not attention.blocked_fits(2, 2, 16, torch.float32)
+
+
+def test_a_growing_layers_blocks_are_whole_key_blocks_of_its_buffer():
+    layer = kv.GrowingLayer()
+    first = torch.randn(1, 2, 600, 8)
+    layer.update(first, first)
+    keys, values = layer.blocks()
+    assert keys.shape == values.shape == (1, 2, 2 * kv.KEY_BLOCK, 8)
+    assert torch.equal(keys[:, :, :600], first) and not keys[:, :, 600:].any()  # zeros past the length
+    assert keys.data_ptr() == layer.keys.data_ptr()  # views of the buffer, no copy
+    layer.update(torch.ones(1, 2, 700, 8), torch.ones(1, 2, 700, 8))  # grows: 1,300 keys
+    assert layer.blocks()[0].shape[2] == 3 * kv.KEY_BLOCK and layer.get_seq_length() == 1300
 
 
 def test_folded_rows_follow_the_kv_heads():

@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
 
 from agentspec import kv, lean
+from agentspec.attention import use_grouped_sdpa
 from agentspec.kv import ModelState, PassIds
 from agentspec.models import ModelPair
 from agentspec.packed import forward_packed
@@ -179,3 +180,67 @@ def test_a_model_with_fused_weights_saves_and_reloads(models, tmp_path):
     reloaded = type(model).from_pretrained(tmp_path)
     for name, p in untouched.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], p), name
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_bfloat16_pass_rows_carry_one_row_steps_bits(tiny_llama, monkeypatch, blocked):
+    """In bfloat16 on a CPU every row of a verify pass, solo or packed with another sequence, is a
+    one-row step's bits, across a key block's end: blocked (one SDPA call a layer,
+    ``attention.blocked_attention``) where this CPU's kernel keeps them, else row by row."""
+    if not kv.cpu_has_bf16():  # oneDNN emulates bfloat16 there, and nothing is prepacked
+        pytest.skip("this CPU has no bfloat16 instructions: passes are not held row-invariant")
+    if not blocked:
+        monkeypatch.setattr(lean, "blocked_fits", lambda *shape: False)
+    model = tiny_llama(4, vocab_size=VOCAB, hidden=64).to(torch.bfloat16)
+    lean_forward = ModelPair(target=model, tokenizer=None).lean[0]
+    if blocked and lean_forward.blocked_rows is None:
+        pytest.skip("this CPU's SDPA sums a row otherwise in a call of more rows (attention.blocked_fits)")
+    assert lean_forward.blocked_rows == (kv.INVARIANT_ROWS if blocked else None)
+    calls = []
+    monkeypatch.setattr(lean, "blocked_attention", lambda *a: calls.append(a[0].shape[2]) or attend(*a))
+    ids = [(7 * i) % 90 + 3 for i in range(520)]
+    prompt, rows = ids[:508], ids[508:]  # rows 508..519: the key block ends at 512
+
+    def from_prompt() -> ModelState:
+        state = ModelState(model)
+        state.forward(prompt, 1)
+        return state
+
+    steps = from_prompt()
+    expected = torch.cat([steps.forward([t], 1) for t in rows])
+    torch.testing.assert_close(expected.float(), reference(model, ids)[508:].float(), rtol=0.1, atol=0.1)
+    assert torch.equal(from_prompt().forward(rows, len(rows)), expected)
+    other = ModelState(model)
+    other.forward(prompt[:40], 1)
+    solo, packed = forward_packed([from_prompt(), other], [PassIds(rows), PassIds([5])], [len(rows), 1])
+    assert torch.equal(solo, expected)
+    layers = len(
+        lean_forward.layers
+    )  # each pass calls it once a layer: the 12 steps, 2 verify passes, 1 other step
+    assert (calls.count(1), calls.count(len(rows))) == ((13 * layers, 2 * layers) if blocked else (0, 0))
+
+
+attend = lean.blocked_attention
+
+
+def test_bfloat16_packed_one_row_steps_are_solo_steps_bits_in_transformers_forward(tiny_llama):
+    """Without the lean forward (transformers' forward, ``PackedPass.attend``), a sequence's one-row
+    step packed with others attends as its solo step does (folded in bfloat16 on a CPU): the same bits."""
+    model = tiny_llama(4, vocab_size=VOCAB, hidden=64).to(torch.bfloat16)
+    assert use_grouped_sdpa(model)  # as load_model switches it: what the packed pass feeds
+    ModelPair(target=model, tokenizer=None, lean_forward=False)
+    ids = [(7 * i) % 90 + 3 for i in range(30)]
+
+    def from_prompt(n: int) -> ModelState:
+        state = ModelState(model)
+        state.forward(ids[:n], 1)
+        return state
+
+    solo = from_prompt(20).forward(ids[20:21], 1)
+    packed, _ = forward_packed(
+        [from_prompt(20), from_prompt(9)], [PassIds(ids[20:21]), PassIds(ids[9:12])], [1, 3]
+    )
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids[:21]])).logits[0, -1:]
+    torch.testing.assert_close(solo.float(), ref.float(), rtol=0.05, atol=0.05)
+    assert torch.equal(packed, solo)
