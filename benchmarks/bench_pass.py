@@ -19,8 +19,9 @@ In one run, side by side:
    (linear, attention, norm, elementwise, kv_cache, other) and "outside_ops", the pass's wall time
    that no op accounts for (Python); the top ops too (``passes.profile_passes``).
    The target's passes as the library runs them (``agentspec.lean``'s forward; in bfloat16 the
-   weights prepacked for oneDNN) against transformers' forward and against plain ``F.linear``
-   (``linear_paths``), in blocks whose order turns each round.
+   weights prepacked for oneDNN) against transformers' forward, against plain ``F.linear`` and,
+   where its passes attend blocked, against attending row by row (``variants``, ``linear_paths``),
+   in blocks whose order turns each round.
 4. Against the limit: each one-row pass as weight bytes read (``roofline.bytes_per_step``) per
    second over the read bandwidth (issue 29's goal: float32 at least 0.7): the fastest of the reads
    measured at the start and just before and after each dtype's passes (``reads_gb_s``).
@@ -210,10 +211,14 @@ def vllm_step(dtype: str, ids: list[int], args) -> dict[str, Any]:
 
 
 def variants(dtype: str) -> dict[str, Any]:
-    """Three loads of the target: as the library runs its passes ("library": ``agentspec.lean``'s
+    """Loads of the target: as the library runs its passes ("library": ``agentspec.lean``'s
     forward, ``kv.PassLinears``' linears, in bfloat16 prepacked for oneDNN), with transformers'
-    forward instead ("transformers forward": ``lean_forward=False``), and with no prepacked copies
-    ("F.linear")."""
+    forward instead ("transformers forward": ``lean_forward=False``), with no prepacked copies
+    ("F.linear"), and where the library's passes attend blocked (``attention.blocked_attention``),
+    attending row by row instead ("row by row": the path where this CPU's kernel does not keep a
+    row's bits in a blocked call). Each keeps its verify rows a one-row step's bits, but its own
+    step's: a blocked one-row call is another sum than a row's call alone, so the logits of the two
+    differ by bfloat16's rounding."""
     load = partial(agentspec.load_pair, dtype=dtype, draft_model=False, warm_up=False)
     out = {"library": load(), "transformers forward": load(lean_forward=False)}
     share, kv.PACKED_MEMORY_SHARE = kv.PACKED_MEMORY_SHARE, 0.0
@@ -221,6 +226,9 @@ def variants(dtype: str) -> dict[str, Any]:
         out["F.linear"] = load()
     finally:
         kv.PACKED_MEMORY_SHARE = share
+    if out["library"].lean[0].blocked_rows is not None:
+        out["row by row"] = load()
+        out["row by row"].lean[0].blocked_rows = None
     return out
 
 
@@ -258,7 +266,7 @@ def run_dtype(dtype: str, args, reads: list[float]) -> dict[str, Any]:
     ids = prompt_ids(pair.tokenizer)
     out: dict[str, Any] = {"environment": environment(pair), "target": target_passes(pair, args, reads)}
     read_gb_s = out["target"]["bound_read_gb_s"]
-    print(f"{dtype}: the library's passes against transformers' forward and F.linear ...", flush=True)
+    print(f"{dtype}: the library's passes beside the other ways (variants) ...", flush=True)
     out["linears"] = linear_paths(dtype, args)
     print(f"{dtype}: generate() and agentspec plain steps ...", flush=True)
     out["hf_generate"] = hf_step(pair.target, ids, args.new_tokens, args.repeats_calls)
@@ -310,7 +318,7 @@ def table(result: dict[str, Any]) -> None:
             shares = ", ".join(f"{c} {s:.0%}" for c, s in prof["categories_share"].items() if s >= 0.01)
             print(f"  {k} rows: {shares}")
         lin = r["linears"]
-        ways = ("library", "transformers forward", "F.linear")
+        ways = [w for w in ("library", "transformers forward", "F.linear", "row by row") if w in lin]
         cells = "  ".join(f"{k} rows " + "/".join(f"{lin[w][k]['median_ms']:.1f}" for w in ways)
                           for k in lin["library"])  # fmt: skip
         print(f"  pass ms, {' / '.join(ways)}: {cells}")
