@@ -421,13 +421,14 @@ class GrowingLayer(DynamicLayer):
     reads them as before. Adopted tensors (``adopt``: a prefix-cache restore's, the tree's own) are
     never written: the first update copies them into a buffer of the layer's own. Buffers grow by
     half again what is needed, so a call's appends copy its cache a logarithmic number of times, and
-    hold whole key blocks (``blocks``).
+    hold whole key blocks (``blocks``), their memory untouched until written or read.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._k: torch.Tensor | None = None  # [B, H, capacity, D], the layer's own
         self._v: torch.Tensor | None = None
+        self._clean = 0  # the buffers' positions before this hold values: written, or zeroed (``blocks``)
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold ``keys``/``values`` (not copied; never written) as the cached positions."""
@@ -443,31 +444,36 @@ class GrowingLayer(DynamicLayer):
             self._grow(need, key_states, value_states)
         self._k[:, :, held:need] = key_states
         self._v[:, :, held:need] = value_states
+        self._clean = max(self._clean, need)
         self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
         return self.keys, self.values
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, n, D] through the end of the ``KEY_BLOCK`` that holds the last cached
-        position (``attention.blocked_attention``). Past the cached length they hold zeros or what a
-        pass wrote before a roll-back: finite values, which a mask hides. Only after an update."""
+        position (``attention.blocked_attention``). Past the cached length they hold what a pass wrote
+        before a roll-back, or zeros: finite values, which a mask hides (never the buffer's unwritten
+        memory: a NaN there would survive the mask, as 0 x NaN is NaN). Only after an update."""
         end = -(-self.get_seq_length() // KEY_BLOCK) * KEY_BLOCK
+        if end > self._clean:  # zeroed here, not when allocated: only the blocked path reads past the length
+            self._k[:, :, self._clean : end].zero_()
+            self._v[:, :, self._clean : end].zero_()
+            self._clean = end
         return self._k[:, :, :end], self._v[:, :, :end]
 
     def _grow(self, need: int, k: torch.Tensor, v: torch.Tensor) -> None:
         capacity = -(-(need + need // 2) // KEY_BLOCK) * KEY_BLOCK
         held = self.get_seq_length()
-        # zeros, not empty memory: ``blocks`` reads past the length, and a NaN there would survive
-        # its mask (a masked key's weight is 0, and 0 x NaN is NaN)
-        new_k = k.new_zeros(k.shape[0], k.shape[1], capacity, k.shape[3])
-        new_v = v.new_zeros(v.shape[0], v.shape[1], capacity, v.shape[3])
+        new_k = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
+        new_v = v.new_empty(v.shape[0], v.shape[1], capacity, v.shape[3])
         if held:
             new_k[:, :, :held] = self.keys
             new_v[:, :, :held] = self.values
-        self._k, self._v = new_k, new_v
+        self._k, self._v, self._clean = new_k, new_v, held
         self.keys, self.values = new_k[:, :, :held], new_v[:, :, :held]
 
     def reset(self) -> None:
         self._k = self._v = None
+        self._clean = 0
         super().reset()
 
 

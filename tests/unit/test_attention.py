@@ -164,7 +164,13 @@ def test_a_growing_layers_blocks_are_whole_key_blocks_of_its_buffer():
     assert torch.equal(keys[:, :, :600], first) and not keys[:, :, 600:].any()  # zeros past the length
     assert keys.data_ptr() == layer.keys.data_ptr()  # views of the buffer, no copy
     layer.update(torch.ones(1, 2, 700, 8), torch.ones(1, 2, 700, 8))  # grows: 1,300 keys
-    assert layer.blocks()[0].shape[2] == 3 * kv.KEY_BLOCK and layer.get_seq_length() == 1300
+    keys, _ = layer.blocks()
+    assert keys.shape[2] == 3 * kv.KEY_BLOCK and layer.get_seq_length() == 1300
+    assert torch.equal(keys[:, :, :600], first) and not keys[:, :, 1300:].any()
+    layer.crop(-200)  # a roll-back: the stale keys stay, finite, then zeros to the block's end
+    keys, _ = layer.blocks()
+    assert keys.shape[2] == 3 * kv.KEY_BLOCK and (keys[:, :, 1100:1300] == 1).all()
+    assert not keys[:, :, 1300:].any()
 
 
 def test_folded_rows_follow_the_kv_heads():
