@@ -24,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from agentspec.kv import INVARIANT_ROWS, KEY_BLOCK, in_pass
+from agentspec.kv import INVARIANT_ROWS, KEY_BLOCK, in_pass, round_up
 
 NAME = "agentspec_sdpa"
 
@@ -156,22 +156,23 @@ def _row_by_row(module, query, key, value, dropout, scaling, **kwargs):
 # of ``kv.KEY_BLOCK``) and by how many query rows its call holds (on this AMD EPYC a call of 3 rows, a
 # one-row step's folded groups, sums otherwise than one of 4 or more). So a pass's call of several
 # rows is not its rows' one-row bits, and ``_row_by_row`` calls the kernel once per row: 17 calls a
-# layer, each reading every cached key (36% of a bfloat16 agent conversation's pass time, py-spy).
+# layer, each reading every cached key (the largest share of a bfloat16 agent conversation's pass
+# time at issue 29's fifth stop, docs/benchmarks.md).
 # ``blocked_attention`` gives every call one shape instead, one-row steps and verify passes alike:
 # the keys through the end of their last block (``kv.GrowingLayer.blocks``: zeros or stale keys past
 # the length, masked), the folded rows padded to a multiple of ``ROW_PAD``, and each row's causal
 # end in the mask. A masked key's weight is exactly 0 and adds exactly nothing, so a row's sums are
 # the same whichever call holds it. ``blocked_fits`` checks that on the CPU at hand, once per model,
-# and ``_row_by_row`` stays where it does not hold. (Measured by hand on this AMD EPYC at 1,300 keys:
-# 17 rows 0.86 ms a layer against 3.7 ms row by row; a one-row step's call 0.244 against 0.217 ms.)
+# and ``_row_by_row`` stays where it does not hold. (``bench_pass`` times the two: its "row by row"
+# variant, results/pass_blocked.json.)
 ROW_PAD = 4
 
 
 def blocked_mask(held: int, n: int, groups: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask [1, 1, rows, keys] of a blocked call of ``n`` rows after ``held`` cached keys:
     folded row g*n + i sees keys up to its own position, held + i; padding rows see every key."""
-    rows = -(-groups * n // ROW_PAD) * ROW_PAD
-    keys = -(-(held + n) // KEY_BLOCK) * KEY_BLOCK
+    rows = round_up(groups * n, ROW_PAD)
+    keys = round_up(held + n, KEY_BLOCK)
     ends = torch.arange(held + 1, held + n + 1, device=device).repeat(groups)
     ends = torch.nn.functional.pad(ends, (0, rows - groups * n), value=held + n)
     hidden = torch.arange(keys, device=device)[None, :] >= ends[:, None]
@@ -195,7 +196,7 @@ def blocked_fits(kv_heads: int, groups: int, head_dim: int, dtype: torch.dtype) 
     passes checked row by row on random values, the second's rows across a key block's end."""
     gen = torch.Generator().manual_seed(0)
     for held, n in ((700, 5), (KEY_BLOCK * 2 - 10, 17)):
-        keys = -(-(held + n) // KEY_BLOCK) * KEY_BLOCK
+        keys = round_up(held + n, KEY_BLOCK)
         k, v = (torch.zeros(1, kv_heads, keys, head_dim, dtype=dtype) for _ in range(2))
         k[:, :, : held + n] = (torch.randn(1, kv_heads, held + n, head_dim, generator=gen) * 3).to(dtype)
         v[:, :, : held + n] = torch.randn(1, kv_heads, held + n, head_dim, generator=gen).to(dtype)
@@ -203,7 +204,7 @@ def blocked_fits(kv_heads: int, groups: int, head_dim: int, dtype: torch.dtype) 
         scale = head_dim**-0.5
         whole = blocked_attention(query, k, v, blocked_mask(held, n, groups, k.device, dtype), groups, scale)
         for i in range(n):
-            end = -(-(held + i + 1) // KEY_BLOCK) * KEY_BLOCK
+            end = round_up(held + i + 1, KEY_BLOCK)
             mask = blocked_mask(held + i, 1, groups, k.device, dtype)
             one = blocked_attention(query[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], mask, groups, scale)
             if not torch.equal(one, whole[:, i : i + 1]):

@@ -453,7 +453,7 @@ class GrowingLayer(DynamicLayer):
         position (``attention.blocked_attention``). Past the cached length they hold what a pass wrote
         before a roll-back, or zeros: finite values, which a mask hides (never the buffer's unwritten
         memory: a NaN there would survive the mask, as 0 x NaN is NaN). Only after an update."""
-        end = -(-self.get_seq_length() // KEY_BLOCK) * KEY_BLOCK
+        end = round_up(self.get_seq_length(), KEY_BLOCK)
         if end > self._clean:  # zeroed here, not when allocated: only the blocked path reads past the length
             self._k[:, :, self._clean : end].zero_()
             self._v[:, :, self._clean : end].zero_()
@@ -461,7 +461,7 @@ class GrowingLayer(DynamicLayer):
         return self._k[:, :, :end], self._v[:, :, :end]
 
     def _grow(self, need: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        capacity = -(-(need + need // 2) // KEY_BLOCK) * KEY_BLOCK
+        capacity = round_up(need + need // 2, KEY_BLOCK)
         held = self.get_seq_length()
         new_k = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
         new_v = v.new_empty(v.shape[0], v.shape[1], capacity, v.shape[3])
@@ -480,6 +480,11 @@ class GrowingLayer(DynamicLayer):
 # A layer's buffer holds whole blocks of this many keys: the block SDPA's CPU kernel splits keys
 # into, over which ``attention.blocked_attention`` attends (``GrowingLayer.blocks``)
 KEY_BLOCK = 512
+
+
+def round_up(n: int, block: int) -> int:
+    """``n`` rounded up to a whole number of ``block``s."""
+    return -(-n // block) * block
 
 
 def growing_cache(config: Any) -> DynamicCache:
