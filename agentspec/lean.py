@@ -12,10 +12,11 @@ the packed pass (``agentspec.packed``) and the pass linears (``kv.PassLinears``)
   of the fused weight, so no weight is held twice);
 - ``torch.rms_norm`` for each layer's norms; rotary embedding applied to q and k in one op set, from
   the model's own ``rotary_emb`` (every RoPE scaling transformers knows);
-- attention per sequence on its own cache, through ``agentspec_sdpa``'s function with the mask a solo
-  pass would have (one row: grouped heads, on a CPU in bfloat16 folded into rows of their KV head; a
-  bfloat16 verify pass on a CPU: row by row, each row as one row is, which keeps it row-invariant;
-  otherwise query groups folded into rows over a causal mask);
+- attention per sequence on its own cache: in bfloat16 on a CPU, a pass of up to ``invariant_rows``
+  rows (one-row steps too) blocked, one call a layer whose rows are each a one-row step's bits
+  (``attention.blocked_attention``, where ``blocked_fits`` holds on this CPU; else row by row);
+  otherwise through ``agentspec_sdpa``'s function with the mask a solo pass would have (one row:
+  grouped heads; several: query groups folded into rows over a causal mask);
 - the final norm only through the model's own module (an EAGLE head's hook reads it), the LM head
   only over the rows a caller keeps.
 
