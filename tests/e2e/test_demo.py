@@ -57,7 +57,9 @@ def test_no_answer_or_an_unknown_record_is_wrong():
 
 
 @pytest.mark.model
-def test_the_demo_answers_right_and_both_runs_reply_the_same(tmp_path, capsys):
+def test_the_demo_answers_right_and_both_runs_reply_the_same(tmp_path, capsys, one_thread):
+    # one_thread: the demo sets torch's threads (--threads, default 1); the fixture gives the later
+    # tests back the count they had (test_threads' pool test skipped on one thread)
     out = tmp_path / "demo.json"
     assert demo.main(["--tasks", "2", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
