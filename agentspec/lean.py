@@ -10,7 +10,8 @@ the packed pass (``agentspec.packed``) and the pass linears (``kv.PassLinears``)
 
 - q, k and v are one linear, and gate and up another (``_fuse``: the model's parameters become views
   of the fused weight, so no weight is held twice);
-- ``torch.rms_norm`` for each layer's norms; rotary embedding applied to q and k in one op set, from
+- each layer's norms in one kernel (``rms_norm``: ``torch.rms_norm``, or on a CPU in bfloat16 or
+  float16 ``F.layer_norm`` over ``[x, -x]``); rotary embedding applied to q and k in one op set, from
   the model's own ``rotary_emb`` (every RoPE scaling transformers knows);
 - attention per sequence on its own cache: in bfloat16 on a CPU, a pass of up to ``invariant_rows``
   rows (one-row steps too) blocked, one call a layer whose rows are each a one-row step's bits
@@ -96,10 +97,29 @@ def _fuse(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
     return fused
 
 
-class _Layer:
-    """One decoder layer's weights as the lean forward reads them."""
+# Where the norms run as ``F.layer_norm`` over ``[x, -x]`` (``rms_norm``): on a CPU, PyTorch's rms_norm is
+# a composite of about ten ops (casts, pow, mean, rsqrt, two products) and its layer_norm one fused
+# kernel; in these dtypes that kernel's rounding is rms_norm's but for a last bit in under 2% of rows
+# (float32 keeps rms_norm, held bit for bit to transformers' forward). bench_pass times the two
+# (its "rms_norm" variant)
+LAYER_NORM_DTYPES = {torch.bfloat16, torch.float16}
 
-    def __init__(self, layer: Any, index: int):
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, doubled: torch.Tensor | None) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dimension. With ``doubled`` (``weight`` twice over), as the
+    layer norm of ``[x, -x]``: its mean is 0 and its variance x's mean square, so its first half is
+    x's RMSNorm (see LAYER_NORM_DTYPES for why)."""
+    width = x.shape[-1]
+    if doubled is None:
+        return torch.rms_norm(x, (width,), weight, eps)
+    return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * width,), doubled, None, eps)[..., :width]
+
+
+class _Layer:
+    """One decoder layer's weights as the lean forward reads them (``doubled``: each norm's weight
+    twice over, for ``rms_norm``'s layer-norm way)."""
+
+    def __init__(self, layer: Any, index: int, doubled: bool):
         (q, k, v), o, (gate, up), down = self.parts(layer)
         self.index = index
         self.attn = layer.self_attn  # its attention settings (grouped heads, causal) for agentspec_sdpa
@@ -110,6 +130,9 @@ class _Layer:
         first, second = layer.input_layernorm, layer.post_attention_layernorm
         self.norm1, self.eps1 = first.weight, first.variance_epsilon
         self.norm2, self.eps2 = second.weight, second.variance_epsilon
+        # copies, as the packed linears' are: read when installed
+        self.doubled1 = torch.cat((self.norm1, self.norm1)).detach() if doubled else None
+        self.doubled2 = torch.cat((self.norm2, self.norm2)).detach() if doubled else None
 
     @staticmethod
     def parts(layer: Any) -> tuple:
@@ -146,11 +169,12 @@ class LeanForward:
         self.head_dim = decoder.layers[0].self_attn.head_dim
         self.scaling = decoder.layers[0].self_attn.scaling
         self.groups = self.heads // self.kv_heads
-        self.layers = [_Layer(layer, i) for i, layer in enumerate(decoder.layers)]
+        weight = self.lm_head.weight
+        doubled = weight.device.type == "cpu" and weight.dtype in LAYER_NORM_DTYPES
+        self.layers = [_Layer(layer, i, doubled) for i, layer in enumerate(decoder.layers)]
         # the passes of at most this many rows attend blocked (``attention.blocked_attention``), each
         # row with a one-row step's bits, where a pass's rows are held to those and this CPU's kernel
         # keeps them (``blocked_fits``, checked once here); None: through ``agentspec_sdpa``
-        weight = self.lm_head.weight
         limit = invariant_rows(weight.device, weight.dtype)
         fits = limit is not None and blocked_fits(self.kv_heads, self.groups, self.head_dim, weight.dtype)
         self.blocked_rows = limit if fits else None
@@ -188,13 +212,20 @@ class LeanForward:
             if position_ids is None:  # a solo pass's rows follow its cache
                 position_ids = torch.arange(held, held + n, device=input_ids.device)[None]
         x = self.embed(input_ids)
-        cos, sin = self.rotary(x, position_ids)
-        rope = (cos.unsqueeze(2), sin.unsqueeze(2))  # [1, T, 1, D]: broadcast over heads
+        rope = self.rope(x, position_ids)
         for layer in self.layers:
             x = self._layer(layer, x, rope, spans)
         x = self.final_norm(x)  # the module: an EAGLE head's hook reads its output
         rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self.lm_head.forward(x[:, rows])
+
+    def rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_rotate``'s cosine and signed sine [1, T, 1, D] (broadcast over heads) at ``position_ids``:
+        the first half's sine negated once a pass here, not in every layer."""
+        cos, sin = self.rotary(x, position_ids)
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos.unsqueeze(2), sin.unsqueeze(2)
 
     def _span(self, cache: Any, a: int, b: int, mask: torch.Tensor | None) -> tuple:
         """(cache, a, b, mask, blocked) for the pass's rows a:b over ``cache``: blocked, with its own
@@ -208,8 +239,8 @@ class LeanForward:
         return cache, a, b, blocked_mask(held, n, self.groups, weight.device, weight.dtype), True
 
     def _layer(self, layer: _Layer, x: torch.Tensor, rope, spans) -> torch.Tensor:
-        batch, t, hidden = x.shape
-        h = torch.rms_norm(x, (hidden,), layer.norm1, layer.eps1)
+        batch, t, _ = x.shape
+        h = rms_norm(x, layer.norm1, layer.eps1, layer.doubled1)
         qkv = layer.qkv.forward(h)
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qk = _rotate(
@@ -231,15 +262,17 @@ class LeanForward:
             outs.append(out)  # [1, n, Hq, D]
         attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         x = x + layer.o_proj.forward(attn.reshape(batch, t, q_dim))
-        h = torch.rms_norm(x, (hidden,), layer.norm2, layer.eps2)
+        h = rms_norm(x, layer.norm2, layer.eps2, layer.doubled2)
         gate, up = layer.gate_up.forward(h).split(layer.intermediate, dim=-1)
         return x + layer.down_proj.forward(F.silu(gate) * up)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` [B, T, H, D]: transformers' ``apply_rotary_pos_emb``, elementwise."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [B, T, H, D]: transformers' ``apply_rotary_pos_emb``, elementwise, with
+    the sine's first half negated (``signed_sin``) in place of ``rotate_half``'s: (-a) * s and a * (-s)
+    are the same bits."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 # The keyword arguments agentspec's passes give the model (``kv.ModelState.forward_now``,

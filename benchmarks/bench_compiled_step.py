@@ -49,7 +49,7 @@ def child(dtype: str, mode: str, rounds: int) -> dict[str, Any]:
     import agentspec
     from agentspec.bench import passes
     from agentspec.bench.run import environment
-    from agentspec.lean import _rotate
+    from agentspec.lean import _rotate, rms_norm
 
     inductor.emulate_precision_casts = True
     inductor.freezing = mode == "freezing"
@@ -59,11 +59,10 @@ def child(dtype: str, mode: str, rounds: int) -> dict[str, Any]:
 
     def step(ids, positions, keys: list, values: list, held: int):
         x = lean.embed(ids)
-        cos, sin = lean.rotary(x, positions)
-        rope = (cos.unsqueeze(2), sin.unsqueeze(2))
-        b, t, hidden = x.shape
+        rope = lean.rope(x, positions)
+        b, t, _ = x.shape
         for layer, k_buf, v_buf in zip(lean.layers, keys, values):
-            h = torch.rms_norm(x, (hidden,), layer.norm1, layer.eps1)
+            h = rms_norm(x, layer.norm1, layer.eps1, layer.doubled1)
             qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)
             qk = _rotate(qkv[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), *rope)
             v = qkv[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim).transpose(1, 2)
@@ -74,7 +73,7 @@ def child(dtype: str, mode: str, rounds: int) -> dict[str, Any]:
                 q, k_buf[:, :, : held + t], v_buf[:, :, : held + t], enable_gqa=True, scale=lean.scaling
             )
             x = x + F.linear(a.transpose(1, 2).reshape(b, t, heads * dim), layer.o_proj.weight)
-            h = torch.rms_norm(x, (hidden,), layer.norm2, layer.eps2)
+            h = rms_norm(x, layer.norm2, layer.eps2, layer.doubled2)
             gate, up = F.linear(h, layer.gate_up.weight).split(layer.intermediate, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down_proj.weight)
         return F.linear(lean.final_norm(x)[:, -1:], lean.lm_head.weight)

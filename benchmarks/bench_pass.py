@@ -19,9 +19,10 @@ In one run, side by side:
    (linear, attention, norm, elementwise, kv_cache, other) and "outside_ops", the pass's wall time
    that no op accounts for (Python); the top ops too (``passes.profile_passes``).
    The target's passes as the library runs them (``agentspec.lean``'s forward; in bfloat16 the
-   weights prepacked for oneDNN) against transformers' forward, against plain ``F.linear`` and,
-   where its passes attend blocked, against attending row by row (``variants``, ``linear_paths``),
-   in blocks whose order turns each round.
+   weights prepacked for oneDNN) against transformers' forward, against plain ``F.linear``,
+   where its passes attend blocked, against attending row by row, and where its norms are layer
+   norms, against ``torch.rms_norm`` (``variants``, ``linear_paths``), in blocks whose order turns
+   each round.
 4. Against the limit: each one-row pass as weight bytes read (``roofline.bytes_per_step``) per
    second over the read bandwidth (issue 29's goal: float32 at least 0.7): the fastest of the reads
    measured at the start and just before and after each dtype's passes (``reads_gb_s``).
@@ -210,6 +211,9 @@ def vllm_step(dtype: str, ids: list[int], args) -> dict[str, Any]:
     return {"status": "ok", "bind": bind, "threads": threads, "worker_core_ids": bound[:1], **result}
 
 
+WAYS = ("library", "transformers forward", "F.linear", "row by row", "rms_norm")  # ``variants``' names
+
+
 def variants(dtype: str) -> dict[str, Any]:
     """Loads of the target: as the library runs its passes ("library": ``agentspec.lean``'s
     forward, ``kv.PassLinears``' linears, in bfloat16 prepacked for oneDNN), with transformers'
@@ -218,7 +222,8 @@ def variants(dtype: str) -> dict[str, Any]:
     attending row by row instead ("row by row": the path where this CPU's kernel does not keep a
     row's bits in a blocked call). Each keeps its verify rows a one-row step's bits, but its own
     step's: a blocked one-row call is another sum than a row's call alone, so the logits of the two
-    differ by bfloat16's rounding."""
+    differ by bfloat16's rounding. Where the library's norms run as layer norms (``lean.rms_norm``),
+    "rms_norm" runs them through ``torch.rms_norm`` instead."""
     load = partial(agentspec.load_pair, dtype=dtype, draft_model=False, warm_up=False)
     out = {"library": load(), "transformers forward": load(lean_forward=False)}
     share, kv.PACKED_MEMORY_SHARE = kv.PACKED_MEMORY_SHARE, 0.0
@@ -229,6 +234,10 @@ def variants(dtype: str) -> dict[str, Any]:
     if out["library"].lean[0].blocked_rows is not None:
         out["row by row"] = load()
         out["row by row"].lean[0].blocked_rows = None
+    if out["library"].lean[0].layers[0].doubled1 is not None:
+        out["rms_norm"] = load()
+        for layer in out["rms_norm"].lean[0].layers:
+            layer.doubled1 = layer.doubled2 = None
     return out
 
 
@@ -318,7 +327,7 @@ def table(result: dict[str, Any]) -> None:
             shares = ", ".join(f"{c} {s:.0%}" for c, s in prof["categories_share"].items() if s >= 0.01)
             print(f"  {k} rows: {shares}")
         lin = r["linears"]
-        ways = [w for w in ("library", "transformers forward", "F.linear", "row by row") if w in lin]
+        ways = [w for w in WAYS if w in lin]
         cells = "  ".join(f"{k} rows " + "/".join(f"{lin[w][k]['median_ms']:.1f}" for w in ways)
                           for k in lin["library"])  # fmt: skip
         print(f"  pass ms, {' / '.join(ways)}: {cells}")

@@ -244,3 +244,21 @@ def test_bfloat16_packed_one_row_steps_are_solo_steps_bits_in_transformers_forwa
         ref = model(torch.tensor([ids[:21]])).logits[0, -1:]
     torch.testing.assert_close(solo.float(), ref.float(), rtol=0.05, atol=0.05)
     assert torch.equal(packed, solo)
+
+
+def test_its_layer_norm_way_is_rms_norm_to_a_last_bit():
+    """``lean.rms_norm`` over ``[x, -x]`` (a CPU in bfloat16) is torch.rms_norm but for one bfloat16
+    step in a few rows; without the doubled weight it is torch.rms_norm itself."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, 16, 576, generator=gen) * 7).to(torch.bfloat16)
+    weight = (torch.rand(576, generator=gen) + 0.5).to(torch.bfloat16)
+    expected = torch.rms_norm(x, (576,), weight, 1e-5)
+    got = lean.rms_norm(x, weight, 1e-5, torch.cat((weight, weight)))
+    assert torch.equal(lean.rms_norm(x, weight, 1e-5, None), expected)
+    rows_off = (got != expected).any(-1).float().mean().item()
+    assert rows_off < 0.05, rows_off
+    steps = (got.float() - expected.float()).abs() / expected.float().abs().clamp_min(1e-30)
+    assert steps.max().item() <= 2**-7, steps.max().item()  # one bfloat16 step at most
+    for row in range(0, 16, 5):  # a row's bits are its own, whatever else is in the call
+        one = lean.rms_norm(x[:1, row : row + 1], weight, 1e-5, torch.cat((weight, weight)))
+        assert torch.equal(one, got[:1, row : row + 1])
