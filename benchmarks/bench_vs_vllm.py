@@ -6,7 +6,11 @@ or two; ``.venv-vllm``, ``make vllm``):
 
     python -m benchmarks.bench_vs_vllm [--dtypes float32,bfloat16] [--calls 12] [--max-tokens 64]
         [--repeats 2] [--systems agentspec,vllm,serve] [--vllm-threads N]
-        [--first-call-sizes 128,1024] [--out benchmarks/results/vs_vllm.json]
+        [--first-call-sizes 128,1024] [--transcript PATH] [--out benchmarks/results/vs_vllm.json]
+
+The like-for-like comparison in bfloat16 (recommended; see "the same transcript" below):
+
+    python -m benchmarks.bench_vs_vllm --dtypes bfloat16 --transcript benchmarks/conversation_transcript.json
 
 **The conversation**: the inventory agent of ``agentspec/bench/conversation.py`` (``LONG_TURNS``:
 6 user requests, each followed by a tool result, over the ~1,100-token system prompt that lists
@@ -34,6 +38,24 @@ while another system runs:
 seconds (the calls' sum), seconds per call, output tokens, tokens/s, and each reply; per dtype the
 goal figure, vLLM's total over agentspec's (each the fastest repeat: a shared machine's noise only
 adds time; goal >= 1.5), and which replies equal across systems and repeats.
+
+**The same transcript** (``--transcript PATH``, a JSON file whose "replies" hold at least
+``--calls`` - 1 replies): call n's earlier assistant messages are the file's first n replies, not the
+system's own. In bfloat16 a near-tie of the top two logits flips a token on one system and not on
+the other; with its own replies fed back, every later prompt then differs, and so does every later
+reply's length, so the two totals measure different work (one run: agentspec wrote 209 tokens,
+vLLM 280). With the transcript every system reads the same prompt on every call whatever it wrote
+before; each system's own replies are still recorded and compared. ``conversation_transcript.json``
+holds the 12 float32 replies every system wrote alike. Two figures beside the goal figure, where
+agentspec and vLLM both ran:
+
+- ``same_work`` (per dtype; goal ``conversation_same_work_vllm_over_agentspec_{dtype}``, >= 1.5):
+  over the calls where every system's every repeat wrote the same reply, the sum of each system's
+  seconds per call of its fastest repeat, and vLLM's sum over agentspec's: the same prompts and the
+  same replies on both sides (absent where no call is equal).
+- ``conversation_per_token_vllm_over_agentspec_{dtype}``: agentspec's tokens/s over vLLM's (each the
+  fastest repeat), a rate that different reply lengths distort less than totals do (informational:
+  no goal of its own).
 
 **First call against a later one**: in a fresh Python process (nothing warm), ``load_pair`` timed
 (the load), then ``ChatSpecDecode(pair=pair, prefix_cache=False)`` on prompt A (the first call),
@@ -109,13 +131,18 @@ def rendered_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     return prepare(tokenizer, to_openai_messages(convert_to_messages(messages))).prompt.ids
 
 
-def conversation(ask: Callable[[list[dict]], dict], calls: int) -> dict[str, Any]:
+def conversation(
+    ask: Callable[[list[dict]], dict], calls: int, fixed: list[str] | None = None
+) -> dict[str, Any]:
     """``calls`` calls one at a time, each answered by ``ask(messages)`` (a turn record: seconds,
-    text, prompt, cached and output tokens); each reply goes into the next call's messages."""
+    text, prompt, cached and output tokens); each reply goes into the next call's messages, or, given
+    ``fixed`` (a transcript), ``fixed``'s replies do, so that every system reads the same prompts
+    whatever it wrote (its own replies are still recorded)."""
     answers: list[str] = []
     turns: list[dict] = []
     for n in range(calls):
-        turns.append(ask(call_messages(n, answers)))
+        earlier = answers if fixed is None else fixed[:n]
+        turns.append(ask(call_messages(n, earlier)))
         answers.append(turns[-1]["text"])
     total = sum(t["seconds"] for t in turns)
     tokens = sum(t["output_tokens"] for t in turns)
@@ -131,32 +158,43 @@ def conversation(ask: Callable[[list[dict]], dict], calls: int) -> dict[str, Any
     }
 
 
-def run_agentspec(dtype: str, n_new: int, calls: int) -> dict[str, Any]:
+def load_transcript(path: Path, calls: int) -> list[str]:
+    """The replies of a transcript file (its "replies"): enough for ``calls`` calls, since call n
+    reads the first n and a short file would otherwise fail only at the run's last call."""
+    replies = json.loads(path.read_text())["replies"]
+    if len(replies) < calls - 1 or not all(isinstance(r, str) for r in replies):
+        raise ValueError(f"{path}: 'replies' must hold at least {calls - 1} strings, holds {len(replies)}")
+    return replies
+
+
+def run_agentspec(dtype: str, n_new: int, calls: int, fixed: list[str] | None = None) -> dict[str, Any]:
     """The conversation on a fresh pair in this process (nothing an earlier repeat cached is read)."""
     pair = agentspec.load_pair(dtype=dtype)
     ChatSpecDecode(pair=pair, prefix_cache=False, max_tokens=4).invoke("Hi")  # first-call costs
     llm = ChatSpecDecode(pair=pair, max_tokens=n_new)
-    return conversation(lambda m: in_process(llm, m), calls)
+    return conversation(lambda m: in_process(llm, m), calls, fixed)
 
 
 def openai_client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CALL_TIMEOUT_S)
 
 
-def run_vllm(url: str, model: str, tokenizer: Any, n_new: int, calls: int) -> dict[str, Any]:
+def run_vllm(
+    url: str, model: str, tokenizer: Any, n_new: int, calls: int, fixed: list[str] | None = None
+) -> dict[str, Any]:
     """The conversation through vLLM's ``/v1/completions`` under a cache salt of its own."""
     client, salt = openai_client(url), uuid.uuid4().hex
 
     def ask(messages: list[dict]) -> dict:
         return completion_turn(client, model, rendered_ids(tokenizer, messages), salt, salt, n_new)
 
-    return conversation(ask, calls)
+    return conversation(ask, calls, fixed)
 
 
-def run_serve(url: str, model: str, n_new: int, calls: int) -> dict[str, Any]:
+def run_serve(url: str, model: str, n_new: int, calls: int, fixed: list[str] | None = None) -> dict[str, Any]:
     """The conversation through ``agentspec serve``'s chat endpoint under a cache salt of its own."""
     client, salt = openai_client(url), uuid.uuid4().hex
-    return conversation(lambda m: turn(client, model, m, salt, salt, n_new), calls)
+    return conversation(lambda m: turn(client, model, m, salt, salt, n_new), calls, fixed)
 
 
 # --- the servers --------------------------------------------------------------------------------
@@ -215,10 +253,10 @@ def side_by_side(args: argparse.Namespace, dtype: str, tokenizer: Any, log_dir: 
 
 def one_run(name: str, urls: dict, models: dict, tokenizer: Any, dtype: str, args) -> dict[str, Any]:
     if name == "agentspec":
-        return run_agentspec(dtype, args.max_tokens, args.calls)
+        return run_agentspec(dtype, args.max_tokens, args.calls, args.fixed)
     if name == "vllm":
-        return run_vllm(urls[name], models[name], tokenizer, args.max_tokens, args.calls)
-    return run_serve(urls[name], models[name], args.max_tokens, args.calls)
+        return run_vllm(urls[name], models[name], tokenizer, args.max_tokens, args.calls, args.fixed)
+    return run_serve(urls[name], models[name], args.max_tokens, args.calls, args.fixed)
 
 
 def vllm_cores(log: Path) -> str | None:
@@ -331,19 +369,53 @@ def fastest(runs: list[dict]) -> dict:
     return min(runs, key=lambda run: run["total_s"])
 
 
+def same_work(runs: dict[str, list[dict]]) -> dict[str, Any] | None:
+    """vLLM's seconds over agentspec's on the calls where every system's every repeat wrote the same
+    reply (each system's fastest repeat): there both read the same prompt and wrote the same tokens,
+    so the ratio compares the same work even where a flipped token made the totals differ. None
+    where agentspec or vLLM did not run, or no call is equal."""
+    if not (runs.get("agentspec") and runs.get("vllm")):
+        return None
+    equal = compare_replies(runs)["all_equal_per_call"]
+    calls = [n for n, same in enumerate(equal) if same]
+    if not calls:
+        return None
+    best = {name: fastest(runs[name])["per_call_s"] for name in ("agentspec", "vllm")}
+    seconds = {name: sum(per_call[n] for n in calls) for name, per_call in best.items()}
+    return {
+        "calls": calls,
+        "agentspec_s": round(seconds["agentspec"], 3),
+        "vllm_s": round(seconds["vllm"], 3),
+        "vllm_over_agentspec": round(seconds["vllm"] / seconds["agentspec"], 3),
+    }
+
+
+def conversation_goals(dtype: str, result: dict[str, Any]) -> dict[str, Any]:
+    """The conversation's figures, where agentspec and vLLM both ran: the totals' ratio (the goal),
+    the same-work ratio (the like-for-like one) and the per-token one (informational: replies of
+    other lengths weigh less in a rate than in a total)."""
+    runs = result["conversation"]["runs"]
+    if not (runs.get("agentspec") and runs.get("vllm")):
+        return {}
+    ours, theirs = fastest(runs["agentspec"]), fastest(runs["vllm"])
+    figures = {
+        f"conversation_vllm_over_agentspec_{dtype}": theirs["total_s"] / ours["total_s"],
+    }
+    if work := result.get("same_work"):
+        figures[f"conversation_same_work_vllm_over_agentspec_{dtype}"] = work["vllm_over_agentspec"]
+    goal, bound = f">= {CONVERSATION_GOAL}", CONVERSATION_GOAL
+    out = {name: {"value": round(v, 3), "goal": goal, "met": v >= bound} for name, v in figures.items()}
+    out[f"conversation_per_token_vllm_over_agentspec_{dtype}"] = {
+        "value": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3),
+        "goal": None,  # informational: the issue's goal is on the whole conversation's time
+    }
+    return out
+
+
 def dtype_goals(dtype: str, result: dict[str, Any]) -> dict[str, Any]:
     """Issue 29's goals this benchmark measures, for one dtype, where their parts ran: the conversation,
     the first call, and what warming up adds to the load."""
-    out = {}
-    runs = result["conversation"]["runs"]
-    if runs.get("agentspec") and runs.get("vllm"):
-        value = fastest(runs["vllm"])["total_s"] / fastest(runs["agentspec"])["total_s"]
-        met = value >= CONVERSATION_GOAL
-        out[f"conversation_vllm_over_agentspec_{dtype}"] = {
-            "value": round(value, 3),
-            "goal": f">= {CONVERSATION_GOAL}",
-            "met": met,
-        }
+    out = conversation_goals(dtype, result)
     if result["first_call"]:
         value = max(row["first_over_later"] for row in result["first_call"])
         met = value <= FIRST_CALL_GOAL
@@ -367,12 +439,20 @@ def table(result: dict[str, Any]) -> str:
                 f"{dtype:>9} {name:>9} {totals:>28} {best['output_tokens']:>7} "
                 f"{best['tokens_per_s']:>7.2f} {replies[name]['repeats_agree']}"
             )
+        if per.get("same_work"):
+            work = per["same_work"]
+            lines.append(
+                f"{dtype:>9} same work, calls {work['calls']}: agentspec {work['agentspec_s']:.2f} s, "
+                f"vllm {work['vllm_s']:.2f} s, vllm/agentspec {work['vllm_over_agentspec']:.3f}"
+            )
         for row in per["first_call"]:
             loads = ", ".join(f"{run['load_s']:.2f}" for run in row["runs"])
             lines.append(
                 f"{dtype:>9} first call, {row['prompt_tokens']} tokens: first/later "
                 f"{row['first_over_later']:.3f}, load s {loads}"
             )
+    if result.get("transcript"):
+        lines.append(f"every call's earlier replies from {result['transcript']}")
     lines += [f"{name}: {goal}" for name, goal in result["goals"].items()]
     return "\n".join(lines)
 
@@ -406,7 +486,8 @@ def measure(args: argparse.Namespace, tokenizer: Any, log_dir: Path) -> dict[str
     out = {}
     for dtype in args.dtypes:
         first = first_calls(dtype, tokenizer, args.first_call_sizes, args.max_tokens)
-        out[dtype] = {"first_call": first, "conversation": side_by_side(args, dtype, tokenizer, log_dir)}
+        talk = side_by_side(args, dtype, tokenizer, log_dir)
+        out[dtype] = {"first_call": first, "conversation": talk, "same_work": same_work(talk["runs"])}
     return out
 
 
@@ -419,6 +500,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--systems", default="agentspec,vllm", help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--vllm-threads", type=int, default=None, help="vLLM's CPU threads (default: its own)")
     ap.add_argument("--first-call-sizes", default="128,1024", help="prompt token counts; empty: none")
+    ap.add_argument(
+        "--transcript",
+        type=Path,
+        default=None,
+        help="JSON whose 'replies' every system reads as its earlier replies (default: each its own)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vs_vllm.json")
     ap.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -426,6 +513,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.first_call_sizes = [int(s) for s in args.first_call_sizes.split(",") if s]
     if set(args.systems) - set(SYSTEMS) or not 1 <= args.calls <= len(convo.LONG_TURNS):
         ap.error(f"--systems of {list(SYSTEMS)}; --calls from 1 to {len(convo.LONG_TURNS)}")
+    args.fixed = load_transcript(args.transcript, args.calls) if args.transcript else None
     return args
 
 
@@ -450,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         "calls": args.calls,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
+        "transcript": str(args.transcript) if args.transcript else None,  # None: each system's own replies
         "first_prompt_tokens": len(rendered_ids(tokenizer, call_messages(0, []))),
         "goals": goals,
         "dtypes": dtypes,
