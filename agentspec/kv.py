@@ -31,6 +31,9 @@ WEIGHT_FIRST_DTYPES = {torch.float32}
 # bfloat16 CPU linears get a prepacked oneDNN copy of their weight while the copies take at most this
 # share of the host's available memory at load (``PassLinears``)
 PACKED_MEMORY_SHARE = 0.25
+# float32 CPU linears get one too from this size: below it (weights a CPU's caches hold) F.linear's
+# kernel is as fast or faster at one row (linears_by_size in benchmarks/results/verify_cost_packed.json)
+MIN_PACKED_FLOAT32_BYTES = 2 << 20
 # The most new rows a bfloat16 CPU pass computes each exactly as a one-row pass does (``PackedWeight``,
 # ``attention.row_by_row``): a verify pass's (the last verified token and its drafts); a prefill,
 # chunked or not, is not held to it
@@ -125,9 +128,10 @@ def _pass_forward(linear: torch.nn.Linear, packed: PackedWeight | None, x: torch
 
 
 class PackedWeight:
-    """A bfloat16 linear's weight in oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, as
-    torch.compile's CPU backend packs frozen weights), with the product computed so that each of up
-    to INVARIANT_ROWS rows gets a one-row product's bits, on this CPU, checked when packed (``fit``).
+    """A linear's weight in oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, as
+    torch.compile's CPU backend packs frozen weights). In bfloat16, the product is computed so that
+    each of up to INVARIANT_ROWS rows gets a one-row product's bits, on this CPU, checked when packed
+    (``fit``); a float32 one is packed as it is (``PassLinears``: no float32 pass is held to that).
 
     Why: oneDNN's bf16 kernels accumulate in float32, but how they block the inputs' dimension
     depends on the row count, the output count and the CPU (its caches, its ISA): past some width
@@ -243,6 +247,11 @@ class PassLinears:
       PACKED_MEMORY_SHARE of the host's available memory (a 7B model's 14 GB mostly would not).
       Each shape is packed the way that gives a verify pass's rows one-row products' bits on this
       CPU (``PackedWeight.fit``); ``row_invariant`` says whether every linear of the models is.
+    - **float32, prepacked**: the same layout reads a float32 weight past the caches 1.3-2x faster than
+      ``F.linear`` at 1-17 rows, and faster than weight-first at 2-17; so float32 linears of at least
+      MIN_PACKED_FLOAT32_BYTES pack too, within the same memory share, as they are (a pass's rows sum in
+      another order than a one-row pass's, as weight-first's do). Weight-first is what a large float32
+      linear gets past the share.
 
     Decided once, when the pair is built: each plain ``nn.Linear`` taking a path gets an instance
     ``forward`` that is ``F.linear`` unless its thread is inside an agentspec pass (``pass_rows``). So
@@ -271,7 +280,8 @@ class PassLinears:
                     self.row_invariant &= _packed_here(m)  # else its own forward: not ours to make invariant
                     continue
                 packed = _packable(m) and self.packed_bytes + _nbytes(m.weight) <= budget
-                self.row_invariant &= packed  # F.linear and weight-first sum rows in the kernel's order
+                # F.linear, weight-first and an unfitted float32 pack sum rows in the kernel's order
+                self.row_invariant &= packed and m.weight.dtype != torch.float32
                 if packed:
                     m.forward = partial(_pass_forward, m, self._packed(m.weight))
                     self.packed_bytes += _nbytes(m.weight)
@@ -283,6 +293,8 @@ class PassLinears:
 
     def _packed(self, weight: torch.Tensor) -> PackedWeight:
         """``weight`` packed the way ``PackedWeight.fit`` found for its shape (checked once a shape)."""
+        if weight.dtype == torch.float32:
+            return PackedWeight(weight)
         shape = (weight.shape[0], weight.shape[1])
         if shape in self._fits:
             return PackedWeight(weight, *self._fits[shape])
@@ -307,9 +319,14 @@ def _large(linear: torch.nn.Linear) -> bool:
 
 
 def _packable(linear: torch.nn.Linear) -> bool:
-    """A bfloat16 CPU linear, on a CPU with bf16 instructions (oneDNN would emulate them elsewhere)."""
+    """A bfloat16 CPU linear, on a CPU with bf16 instructions (oneDNN would emulate them elsewhere),
+    or a float32 one of at least MIN_PACKED_FLOAT32_BYTES."""
     w = linear.weight
-    return w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu_has_bf16()
+    if w.device.type != "cpu":
+        return False
+    if w.dtype == torch.float32:
+        return _nbytes(w) >= MIN_PACKED_FLOAT32_BYTES
+    return w.dtype == torch.bfloat16 and cpu_has_bf16()
 
 
 def cpu_has_bf16() -> bool:

@@ -221,10 +221,11 @@ class ModelPair:
 
     ``key`` names everything that changes the KV state (model sources, dtype, device); the prefix
     cache namespaces its entries by it. Building a pair gives its CPU linears the pass paths of
-    ``agentspec.kv.PassLinears`` (float32 weight-first, bfloat16 prepacked), which outside agentspec's
-    own passes are ``F.linear``: a model passed in gives its other callers (``generate()``) the same
-    numbers. A Llama or Qwen2 model gets ``agentspec.lean``'s forward for those passes, its q/k/v and
-    gate/up weights fused (its own parameters become views of them), transformers' forward elsewhere.
+    ``agentspec.kv.PassLinears`` (prepacked; float32 weight-first past the copies' memory share), which
+    outside agentspec's own passes are ``F.linear``: a model passed in gives its other callers
+    (``generate()``) the same numbers. A Llama or Qwen2 model gets ``agentspec.lean``'s forward for those
+    passes, its q/k/v and gate/up weights fused (its own parameters become views of them), transformers'
+    forward elsewhere.
     """
 
     target: Any

@@ -18,8 +18,9 @@ In one run, side by side:
 3. Where each pass's time goes: a few passes under ``torch.profiler``, the ops grouped by category
    (linear, attention, norm, elementwise, kv_cache, other) and "outside_ops", the pass's wall time
    that no op accounts for (Python); the top ops too (``passes.profile_passes``).
-   The target's passes as the library runs them (``agentspec.lean``'s forward; in bfloat16 the
-   weights prepacked for oneDNN) against transformers' forward, against plain ``F.linear``,
+   The target's passes as the library runs them (``agentspec.lean``'s forward; the weights
+   prepacked for oneDNN: bfloat16 ones, and float32 ones of at least
+   ``kv.MIN_PACKED_FLOAT32_BYTES``) against transformers' forward, against plain ``F.linear``,
    where its passes attend blocked, against attending row by row, and where its norms are layer
    norms, against ``torch.rms_norm`` (``variants``, ``linear_paths``), in blocks whose order turns
    each round.
@@ -215,15 +216,15 @@ WAYS = ("library", "transformers forward", "F.linear", "row by row", "rms_norm")
 
 
 def variants(dtype: str) -> dict[str, Any]:
-    """Loads of the target: as the library runs its passes ("library": ``agentspec.lean``'s
-    forward, ``kv.PassLinears``' linears, in bfloat16 prepacked for oneDNN), with transformers'
-    forward instead ("transformers forward": ``lean_forward=False``), with no prepacked copies
-    ("F.linear"), and where the library's passes attend blocked (``attention.blocked_attention``),
-    attending row by row instead ("row by row": the path where this CPU's kernel does not keep a
-    row's bits in a blocked call). Each keeps its verify rows a one-row step's bits, but its own
-    step's: a blocked one-row call is another sum than a row's call alone, so the logits of the two
-    differ by bfloat16's rounding. Where the library's norms run as layer norms (``lean.rms_norm``),
-    "rms_norm" runs them through ``torch.rms_norm`` instead."""
+    """Loads of the target: as the library runs its passes ("library": ``agentspec.lean``'s forward,
+    ``kv.PassLinears``' linears, prepacked for oneDNN), with transformers' forward instead ("transformers
+    forward": ``lean_forward=False``), with no prepacked copies ("F.linear": in float32 the LM head
+    weight-first at 2..``kv.FEW_ROWS`` rows, as before float32 packed), and where the library's passes
+    attend blocked (``attention.blocked_attention``), attending row by row instead ("row by row": the path
+    where this CPU's kernel does not keep a row's bits in a blocked call). Each keeps its verify rows a
+    one-row step's bits, but its own step's: a blocked one-row call is another sum than a row's call
+    alone, so the logits of the two differ by bfloat16's rounding. Where the library's norms run as layer
+    norms (``lean.rms_norm``), "rms_norm" runs them through ``torch.rms_norm`` instead."""
     load = partial(agentspec.load_pair, dtype=dtype, draft_model=False, warm_up=False)
     out = {"library": load(), "transformers forward": load(lean_forward=False)}
     share, kv.PACKED_MEMORY_SHARE = kv.PACKED_MEMORY_SHARE, 0.0

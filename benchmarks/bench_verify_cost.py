@@ -17,8 +17,13 @@ two ways round by round with a rotating order, so drift on a shared machine hits
 3. The same for a model with Qwen2.5-7B's shapes but 2 of its 28 layers (random weights, about 6 GB):
    what a 7B target's passes gain, since no 7B model is on this machine; in float32, and in
    bfloat16 with weight-first forced on (``kv.WEIGHT_FIRST_DTYPES``), which shows why it is off there.
-4. Single float32 linears of 0.4 to 16.6 MiB (projections of 135M to 7B models), both ways: where
-   weight-first starts to pay, which sets ``kv.MIN_WEIGHT_BYTES``.
+4. Single float32 linears of 0.25 to 16.6 MiB (projections of 135M to 7B models), both ways and
+   prepacked for oneDNN (``kv.PackedWeight``, as the library's float32 passes now run large ones):
+   where weight-first starts to pay, which set ``kv.MIN_WEIGHT_BYTES``, and where the packed copy
+   does, which sets ``kv.MIN_PACKED_FLOAT32_BYTES``. The LM head alone (1.) is timed packed too.
+
+Parts 2 and 3 load their models with no prepacked copies (``kv.PACKED_MEMORY_SHARE`` 0): they
+compare the two plain ways; ``benchmarks/bench_pass.py`` times the passes as the library runs them.
 
 Writes JSON (--out) and a PNG beside it.
 """
@@ -68,9 +73,11 @@ def head_alone(head: torch.nn.Linear, sizes: list[int], repeats: int) -> dict[st
     """Median ms of the LM head over k random rows, per way."""
     gen = torch.Generator().manual_seed(0)
     rows = {k: torch.randn(k, head.in_features, generator=gen, dtype=head.weight.dtype) for k in sizes}
+    packed = kv.PackedWeight(head.weight)
     ways = {
         "F.linear": lambda x: torch.nn.functional.linear(x, head.weight, head.bias),
         "weight-first": lambda x: kv._weight_first(head, x),
+        "packed": lambda x: packed(x, head.bias),
     }
 
     def once(way: str, k: int) -> float:
@@ -103,7 +110,8 @@ def whole_pass(model, ids: list[int], sizes: list[int], cache_len: int, repeats:
         kv.FEW_ROWS = WAYS["weight-first"]
 
 
-LINEAR_SHAPES = [(128, 896), (1536, 576), (896, 896), (512, 3584), (2048, 2048), (4864, 896)]
+LINEAR_SHAPES = [(256, 256), (128, 896), (320, 960), (576, 576), (1536, 576), (896, 896), (512, 3584),
+                 (2048, 2048), (4864, 896)]  # fmt: skip
 
 
 def linears_by_size(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-large", action="store_true", help="skip the 7B-shaped model (part 3)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "verify_cost.json")
     args = ap.parse_args(argv)
+    kv.PACKED_MEMORY_SHARE = 0.0  # parts 2 and 3 compare the plain ways (see the module doc)
     pair = agentspec.load_pair()
     head = pair.target.get_output_embeddings()
     result: dict[str, Any] = {"environment": environment(pair), "cache_tokens": args.cache_len,
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = pair.tokenizer((WEATHER + CODE + SEARCH) * 4)["input_ids"]
     result["pass_ms"] = whole_pass(pair.target, ids, SIZES, args.cache_len, args.repeats)
     print("single linears by size ...", flush=True)
-    result["linears_by_size"] = linears_by_size([1, 2, 4, 8], 3 * args.repeats)
+    result["linears_by_size"] = linears_by_size([1, 2, 4, 8, 16], 3 * args.repeats)
     parts = ["head_ms", "pass_ms"]
     if not args.no_large:
         result["large_dtypes"] = ["float32", "bfloat16"]
@@ -201,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, args.out.with_suffix(".png"))
     for row in result["linears_by_size"]:
-        off, on = row["F.linear"], row["weight-first"]
-        cells = "  ".join(f"k={k}: {off[k]:.3f} -> {on[k]:.3f}" for k in on)
-        print(f"{row['shape']} {row['mib']:.1f} MiB  {cells} ms")
+        off, on, packed = row["F.linear"], row["weight-first"], row["packed"]
+        cells = "  ".join(f"k={k}: {off[k]:.3f} -> {on[k]:.3f} / {packed[k]:.3f}" for k in on)
+        print(f"{row['shape']} {row['mib']:.2f} MiB  {cells} ms (F.linear -> weight-first / packed)")
     for part in parts:
         off, on = result[part]["F.linear"], result[part]["weight-first"]
         print(part, "  ".join(f"k={k}: {off[k]:.1f} -> {on[k]:.1f} ms" for k in on))

@@ -118,6 +118,21 @@ def test_speculative_greedy_with_weight_first_linears_equals_generate(pair, case
     assert calls and histogram[0] > 0 and sum(histogram[1:]) > 0, f"{histogram=}"
 
 
+@pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
+def test_speculative_greedy_with_packed_float32_linears_equals_generate(pair, cases, drafter, monkeypatch):
+    # on a CPU, float32 linears of at least kv.MIN_PACKED_FLOAT32_BYTES run prepacked for oneDNN in
+    # every pass, one-row ones too: another kernel than generate()'s F.linear, another summation
+    # order; the conftest models' weights are small, so every one packs for a pair of copies built here
+    from agentspec import kv
+
+    monkeypatch.setattr(kv, "MIN_PACKED_FLOAT32_BYTES", 0)
+    target, draft = copy.deepcopy(pair.target), copy.deepcopy(pair.draft)
+    pair = ModelPair(target=target, draft=draft, tokenizer=pair.tokenizer)
+    assert pair.pass_linears.packed_bytes and pair.dtype == torch.float32
+    histogram = run_all(pair, cases, drafter, 3)
+    assert histogram[0] > 0 and sum(histogram[1:]) > 0, f"{histogram=}"
+
+
 @pytest.mark.parametrize(
     ("options", "n_cases"),
     [({"drafter": "none"}, N_PROMPTS), ({"speculative": False}, 10), ({"num_draft_tokens": 0}, 10)],

@@ -1,5 +1,6 @@
-"""``kv.PassLinears``: CPU passes of a few rows compute large float32 linears as ``W @ x.T``, and
-bfloat16 ones (on a CPU with bf16 instructions) with a prepacked oneDNN weight.
+"""``kv.PassLinears``: CPU passes compute float32 linears of at least ``kv.MIN_PACKED_FLOAT32_BYTES``
+and bfloat16 ones (on a CPU with bf16 instructions) with a prepacked oneDNN weight, and passes of a
+few rows compute large float32 linears left unpacked (past the memory share) as ``W @ x.T``.
 
 The product is the same (to float rounding); which linears take that path is decided once, when the
 pair is built; only agentspec's own passes of 2..FEW_ROWS rows take it (also after a failed pass,
@@ -102,6 +103,23 @@ def test_bfloat16_linears_run_prepacked_inside_a_pass(rows):
         packed = lin(x)
     torch.testing.assert_close(packed, plain)  # bfloat16's tolerance: another kernel, same product
     assert torch.equal(lin(x), plain)  # outside a pass: F.linear itself
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 100])
+def test_float32_linears_from_their_size_run_prepacked_inside_a_pass(monkeypatch, weight_first_calls, rows):
+    monkeypatch.setattr(kv, "MIN_PACKED_FLOAT32_BYTES", 96 * 64 * 4)
+    monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 0)  # packing comes first; weight-first is past the share
+    lin, small = linear(n_out=96, n_in=64), linear(n_out=95, n_in=64)
+    found = kv.PassLinears(torch.nn.Sequential(lin, small))
+    assert found.linears == [lin, small] and found.packed_bytes == 96 * 64 * 4
+    assert not found.row_invariant  # packed as it is: no float32 pass is held to one-row bits
+    x = torch.randn(1, rows, 64)
+    with kv.pass_rows(rows):
+        packed = lin(x)
+        small(x)  # weight-first at 2..FEW_ROWS rows: below the packing size
+    torch.testing.assert_close(packed, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))  # outside: F.linear
+    assert weight_first_calls == ([rows] if 2 <= rows <= kv.FEW_ROWS else [])
 
 
 def test_bfloat16_linears_are_not_packed_past_the_memory_share(monkeypatch):
