@@ -20,7 +20,10 @@ two ways round by round with a rotating order, so drift on a shared machine hits
 4. Single float32 linears of 0.25 to 16.6 MiB (projections of 135M to 7B models), both ways and
    prepacked for oneDNN (``kv.PackedWeight``, as the library's float32 passes now run large ones):
    where weight-first starts to pay, which set ``kv.MIN_WEIGHT_BYTES``, and where the packed copy
-   does, which sets ``kv.MIN_PACKED_FLOAT32_BYTES``. The LM head alone (1.) is timed packed too.
+   does, which sets ``kv.MIN_PACKED_FLOAT32_BYTES``. Each call takes the next of enough copies of
+   the weight to fill ``COLD_BYTES``, so it reads its weight from memory as a pass does (one weight
+   called again and again stays in the caches below about 32 MiB, and times another kernel's
+   limit). The LM head alone (1.) is timed packed too.
 
 Parts 2 and 3 load their models with no prepacked copies (``kv.PACKED_MEMORY_SHARE`` 0): they
 compare the two plain ways; ``benchmarks/bench_pass.py`` times the passes as the library runs them.
@@ -31,6 +34,7 @@ Writes JSON (--out) and a PNG beside it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -69,20 +73,24 @@ def interleaved(ways: list[str], sizes: list[int], repeats: int, once: Callable[
     return {w: {k: statistics.median(v) * 1e3 for k, v in per.items()} for w, per in times.items()}
 
 
-def head_alone(head: torch.nn.Linear, sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
-    """Median ms of the LM head over k random rows, per way."""
+def head_alone(heads: list[torch.nn.Linear], sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Median ms of a linear over k random rows, per way: each call takes the next of ``heads`` (copies
+    of one shape), so a weight smaller than the caches is read from memory, as in a pass."""
+    head = heads[0]
     gen = torch.Generator().manual_seed(0)
     rows = {k: torch.randn(k, head.in_features, generator=gen, dtype=head.weight.dtype) for k in sizes}
-    packed = kv.PackedWeight(head.weight)
+    packed = [kv.PackedWeight(h.weight) for h in heads]
     ways = {
-        "F.linear": lambda x: torch.nn.functional.linear(x, head.weight, head.bias),
-        "weight-first": lambda x: kv._weight_first(head, x),
-        "packed": lambda x: packed(x, head.bias),
+        "F.linear": lambda x, i: torch.nn.functional.linear(x, heads[i].weight, heads[i].bias),
+        "weight-first": lambda x, i: kv._weight_first(heads[i], x),
+        "packed": lambda x, i: packed[i](x, heads[i].bias),
     }
+    calls = itertools.count()
 
     def once(way: str, k: int) -> float:
+        i = next(calls) % len(heads)
         t0 = time.perf_counter()
-        ways[way](rows[k])
+        ways[way](rows[k], i)
         return time.perf_counter() - t0
 
     with torch.inference_mode():
@@ -112,15 +120,18 @@ def whole_pass(model, ids: list[int], sizes: list[int], cache_len: int, repeats:
 
 LINEAR_SHAPES = [(256, 256), (128, 896), (320, 960), (576, 576), (1536, 576), (896, 896), (512, 3584),
                  (2048, 2048), (4864, 896)]  # fmt: skip
+COLD_BYTES = 128 << 20  # copies of a weight filling this (4 times a 32 MiB L3) are each read from memory
 
 
 def linears_by_size(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
-    """Median ms of single float32 linears (out, in) over k rows, per way, by weight size."""
+    """Median ms of single float32 linears (out, in) over k rows, per way, by weight size; each call
+    on the next of enough copies to fill COLD_BYTES."""
     rows = []
     for shape in LINEAR_SHAPES:
-        lin = torch.nn.Linear(shape[1], shape[0], bias=False)
-        ms = head_alone(lin, sizes, repeats)
-        rows.append({"shape": list(shape), "mib": lin.weight.numel() * 4 / 2**20, **ms})
+        copies = -(-COLD_BYTES // (shape[0] * shape[1] * 4))
+        lins = [torch.nn.Linear(shape[1], shape[0], bias=False) for _ in range(copies)]
+        ms = head_alone(lins, sizes, repeats)
+        rows.append({"shape": list(shape), "mib": lins[0].weight.numel() * 4 / 2**20, "copies": copies, **ms})
     return rows
 
 
@@ -178,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"environment": environment(pair), "cache_tokens": args.cache_len,
                               "few_rows": kv.FEW_ROWS, "repeats": args.repeats}  # fmt: skip
     print("LM head alone ...", flush=True)
-    result["head_ms"] = head_alone(head, SIZES, args.repeats)
+    result["head_ms"] = head_alone([head], SIZES, args.repeats)
     print("whole target passes ...", flush=True)
     ids = pair.tokenizer((WEATHER + CODE + SEARCH) * 4)["input_ids"]
     result["pass_ms"] = whole_pass(pair.target, ids, SIZES, args.cache_len, args.repeats)
