@@ -31,9 +31,10 @@ WEIGHT_FIRST_DTYPES = {torch.float32}
 # bfloat16 CPU linears get a prepacked oneDNN copy of their weight while the copies take at most this
 # share of the host's available memory at load (``PassLinears``)
 PACKED_MEMORY_SHARE = 0.25
-# float32 CPU linears get one too from this size: below it (weights a CPU's caches hold) F.linear's
-# kernel is as fast or faster at one row (linears_by_size in benchmarks/results/verify_cost_packed.json)
-MIN_PACKED_FLOAT32_BYTES = 2 << 20
+# float32 CPU linears get one too from this size: below it F.linear's kernel is as fast or faster at one
+# row and the packed one no faster at a few (linears_by_size in benchmarks/results/verify_cost_packed.json);
+# a 1.27 MiB projection packed made whole passes 3-5% faster (bench_pass's "packed from 2 MiB" variant)
+MIN_PACKED_FLOAT32_BYTES = 1 << 20
 # The most new rows a bfloat16 CPU pass computes each exactly as a one-row pass does (``PackedWeight``,
 # ``attention.row_by_row``): a verify pass's (the last verified token and its drafts); a prefill,
 # chunked or not, is not held to it

@@ -212,9 +212,6 @@ def vllm_step(dtype: str, ids: list[int], args) -> dict[str, Any]:
     return {"status": "ok", "bind": bind, "threads": threads, "worker_core_ids": bound[:1], **result}
 
 
-WAYS = ("library", "transformers forward", "F.linear", "row by row", "rms_norm")  # ``variants``' names
-
-
 def variants(dtype: str) -> dict[str, Any]:
     """Loads of the target: as the library runs its passes ("library": ``agentspec.lean``'s forward,
     ``kv.PassLinears``' linears, prepacked for oneDNN), with transformers' forward instead ("transformers
@@ -224,7 +221,8 @@ def variants(dtype: str) -> dict[str, Any]:
     where this CPU's kernel does not keep a row's bits in a blocked call). Each keeps its verify rows a
     one-row step's bits, but its own step's: a blocked one-row call is another sum than a row's call
     alone, so the logits of the two differ by bfloat16's rounding. Where the library's norms run as layer
-    norms (``lean.rms_norm``), "rms_norm" runs them through ``torch.rms_norm`` instead."""
+    norms (``lean.rms_norm``), "rms_norm" runs them through ``torch.rms_norm`` instead. In float32,
+    "packed from N MiB" packs only linears of twice ``kv.MIN_PACKED_FLOAT32_BYTES`` and more."""
     load = partial(agentspec.load_pair, dtype=dtype, draft_model=False, warm_up=False)
     out = {"library": load(), "transformers forward": load(lean_forward=False)}
     share, kv.PACKED_MEMORY_SHARE = kv.PACKED_MEMORY_SHARE, 0.0
@@ -235,6 +233,12 @@ def variants(dtype: str) -> dict[str, Any]:
     if out["library"].lean[0].blocked_rows is not None:
         out["row by row"] = load()
         out["row by row"].lean[0].blocked_rows = None
+    if dtype == "float32":  # where the float32 packing starts: its threshold doubled
+        least, kv.MIN_PACKED_FLOAT32_BYTES = kv.MIN_PACKED_FLOAT32_BYTES, 2 * kv.MIN_PACKED_FLOAT32_BYTES
+        try:
+            out[f"packed from {kv.MIN_PACKED_FLOAT32_BYTES / 2**20:g} MiB"] = load()
+        finally:
+            kv.MIN_PACKED_FLOAT32_BYTES = least
     if out["library"].lean[0].layers[0].doubled1 is not None:
         out["rms_norm"] = load()
         for layer in out["rms_norm"].lean[0].layers:
@@ -328,7 +332,7 @@ def table(result: dict[str, Any]) -> None:
             shares = ", ".join(f"{c} {s:.0%}" for c, s in prof["categories_share"].items() if s >= 0.01)
             print(f"  {k} rows: {shares}")
         lin = r["linears"]
-        ways = [w for w in WAYS if w in lin]
+        ways = [w for w in lin if w not in ("packed_bytes", "max_abs_logit_diff")]  # ``variants``' names
         cells = "  ".join(f"{k} rows " + "/".join(f"{lin[w][k]['median_ms']:.1f}" for w in ways)
                           for k in lin["library"])  # fmt: skip
         print(f"  pass ms, {' / '.join(ways)}: {cells}")
