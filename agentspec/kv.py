@@ -12,7 +12,7 @@ reads back once, with its own result). Their positions are ``unread`` until ``se
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -193,6 +193,14 @@ class PackedWeight:
             y = self._product(flat, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def one_call(self, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The product as one kernel call, where it is one (one block, not padded, not row by row: every
+        float32 weight, and bfloat16 ones ``fit`` packs whole): ``__call__``'s result without its checks,
+        for a caller that has its rows in hand (``lean.LeanForward.bind``). None where it is not."""
+        if len(self.blocks) > 1 or self.pad > 1 or self.rowwise:
+            return None
+        return partial(_packed_linear, weight=self.blocks[0], bias=bias)
+
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if len(self.blocks) == 1:
             return torch.ops.mkldnn._linear_pointwise(x, self.blocks[0], bias, "none", [], "")
@@ -201,6 +209,11 @@ class PackedWeight:
         for (a, b), block in zip(self.bounds[1:], self.blocks[1:], strict=True):
             y = torch.ops.mkldnn._linear_pointwise.binary(x[..., a:b].contiguous(), y, block, None, "add")
         return y
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x``'s product with a packed ``weight`` over all of its leading dimensions (the kernel folds them)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _pieces(k: int, pieces: int) -> list[tuple[int, int]]:
@@ -292,6 +305,14 @@ class PassLinears:
                     continue
                 self.linears.append(m)
 
+    def product(self, linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What an agentspec pass computes for ``linear``, for a caller only ever inside one (the lean
+        forward): its packed weight's kernel, called directly where that is one call
+        (``PackedWeight.one_call``), else ``through_forward``."""
+        packed = _pass_weight(linear)
+        call = packed.one_call(linear.bias) if packed is not None else None
+        return call if call is not None else through_forward(linear)
+
     def _packed(self, weight: torch.Tensor) -> PackedWeight:
         """``weight`` packed the way ``PackedWeight.fit`` found for its shape (checked once a shape)."""
         if weight.dtype == torch.float32:
@@ -304,10 +325,26 @@ class PassLinears:
         return fitted
 
 
+def through_forward(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``linear`` computed through its forward as it is at each call: the path a pair's PassLinears
+    gives it, a later pair's on a copy of the model too."""
+    return partial(_forward, linear)
+
+
+def _forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear.forward(x)
+
+
+def _pass_weight(linear: torch.nn.Linear) -> PackedWeight | None:
+    """The PackedWeight ``linear`` runs in passes (given by ``PassLinears``, here or for an earlier pair
+    on its model), or None."""
+    forward = vars(linear).get("forward")
+    return forward.args[1] if isinstance(forward, partial) and forward.func is _pass_forward else None
+
+
 def _packed_here(linear: torch.nn.Linear) -> bool:
     """Whether ``linear`` runs a PackedWeight in passes (given one by an earlier pair on its model)."""
-    forward = vars(linear).get("forward")
-    return isinstance(forward, partial) and forward.func is _pass_forward and forward.args[1] is not None
+    return _pass_weight(linear) is not None
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -29,6 +29,7 @@ float32 token-identical, bfloat16 identical but for near-ties.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -46,7 +47,7 @@ from agentspec.attention import (
     grouped_sdpa_forward,
     invariant_rows,
 )
-from agentspec.kv import GrowingLayer, in_pass
+from agentspec.kv import GrowingLayer, in_pass, through_forward
 from agentspec.packed import PackedPass, causal_mask
 
 # The model classes whose decoder layers this forward reproduces: pre-norm RMSNorm, rotary q/k, SiLU
@@ -126,6 +127,9 @@ class _Layer:
         self.replaced = [q, k, v, gate, up]  # computed by the fused linears in a pass
         self.qkv, self.gate_up = _fuse([q, k, v]), _fuse([gate, up])
         self.o_proj, self.down_proj = o, down
+        # what a pass computes for each of the four (``LeanForward.bind``)
+        self.qkv_product, self.gate_up_product = through_forward(self.qkv), through_forward(self.gate_up)
+        self.o_product, self.down_product = through_forward(o), through_forward(down)
         self.intermediate = gate.out_features
         first, second = layer.input_layernorm, layer.post_attention_layernorm
         self.norm1, self.eps1 = first.weight, first.variance_epsilon
@@ -180,6 +184,18 @@ class LeanForward:
         self.blocked_rows = limit if fits else None
         self.fused = [m for layer in self.layers for m in (layer.qkv, layer.gate_up)]
         self.replaced = [m for layer in self.layers for m in layer.replaced]
+        self.lm_head_product = through_forward(self.lm_head)
+
+    def bind(self, product: Callable[[torch.nn.Linear], Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        """Compute each linear (the fused ones, o, down, the LM head) in passes as ``product(linear)``:
+        ``through_forward`` until the pair's ``kv.PassLinears`` has given them their paths, then its
+        ``product``, which calls a packed weight's kernel directly (this forward only runs inside a
+        pass, so the per-call choice of a linear's forward is settled once here; bench_pass's
+        "through forward" variant times the difference)."""
+        for layer in self.layers:
+            layer.qkv_product, layer.gate_up_product = product(layer.qkv), product(layer.gate_up)
+            layer.o_product, layer.down_product = product(layer.o_proj), product(layer.down_proj)
+        self.lm_head_product = product(self.lm_head)
 
     @classmethod
     def install(cls, model: Any) -> LeanForward:
@@ -217,7 +233,7 @@ class LeanForward:
             x = self._layer(layer, x, rope, spans)
         x = self.final_norm(x)  # the module: an EAGLE head's hook reads its output
         rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return self.lm_head.forward(x[:, rows])
+        return self.lm_head_product(x[:, rows])
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``_rotate``'s cosine and signed sine [1, T, 1, D] (broadcast over heads) at ``position_ids``:
@@ -241,7 +257,7 @@ class LeanForward:
     def _layer(self, layer: _Layer, x: torch.Tensor, rope, spans) -> torch.Tensor:
         batch, t, _ = x.shape
         h = rms_norm(x, layer.norm1, layer.eps1, layer.doubled1)
-        qkv = layer.qkv.forward(h)
+        qkv = layer.qkv_product(h)
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qk = _rotate(
             qkv[..., : q_dim + kv_dim].view(batch, t, self.heads + self.kv_heads, self.head_dim), *rope
@@ -261,10 +277,10 @@ class LeanForward:
                 )
             outs.append(out)  # [1, n, Hq, D]
         attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        x = x + layer.o_proj.forward(attn.reshape(batch, t, q_dim))
+        x = x + layer.o_product(attn.reshape(batch, t, q_dim))
         h = rms_norm(x, layer.norm2, layer.eps2, layer.doubled2)
-        gate, up = layer.gate_up.forward(h).split(layer.intermediate, dim=-1)
-        return x + layer.down_proj.forward(F.silu(gate) * up)
+        gate, up = layer.gate_up_product(h).split(layer.intermediate, dim=-1)
+        return x + layer.down_product(F.silu(gate) * up)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

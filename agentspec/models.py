@@ -277,6 +277,8 @@ class ModelPair:
         fused = torch.nn.ModuleList(linear for lean in self.lean for linear in lean.fused)
         replaced = [linear for lean in self.lean for linear in lean.replaced]
         self.pass_linears = PassLinears(*models, fused, skip=replaced)
+        for lean in self.lean:
+            lean.bind(self.pass_linears.product)
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)

@@ -22,8 +22,8 @@ In one run, side by side:
    prepacked for oneDNN: bfloat16 ones, and float32 ones of at least
    ``kv.MIN_PACKED_FLOAT32_BYTES``) against transformers' forward, against plain ``F.linear``,
    where its passes attend blocked, against attending row by row, and where its norms are layer
-   norms, against ``torch.rms_norm`` (``variants``, ``linear_paths``), in blocks whose order turns
-   each round.
+   norms, against ``torch.rms_norm``, and each linear through its forward instead of its packed
+   kernel called directly (``variants``, ``linear_paths``), in blocks whose order turns each round.
 4. Against the limit: each one-row pass as weight bytes read (``roofline.bytes_per_step``) per
    second over the read bandwidth (issue 29's goal: float32 at least 0.7): the fastest of the reads
    measured at the start and just before and after each dtype's passes (``reads_gb_s``).
@@ -222,7 +222,9 @@ def variants(dtype: str) -> dict[str, Any]:
     one-row step's bits, but its own step's: a blocked one-row call is another sum than a row's call
     alone, so the logits of the two differ by bfloat16's rounding. Where the library's norms run as layer
     norms (``lean.rms_norm``), "rms_norm" runs them through ``torch.rms_norm`` instead. In float32,
-    "packed from N MiB" packs only linears of twice ``kv.MIN_PACKED_FLOAT32_BYTES`` and more."""
+    "packed from N MiB" packs only linears of twice ``kv.MIN_PACKED_FLOAT32_BYTES`` and more. "through
+    forward" computes each linear through its forward (``kv.through_forward``), which chooses its path
+    each call, instead of the packed kernel called directly (``kv.PassLinears.product``)."""
     load = partial(agentspec.load_pair, dtype=dtype, draft_model=False, warm_up=False)
     out = {"library": load(), "transformers forward": load(lean_forward=False)}
     share, kv.PACKED_MEMORY_SHARE = kv.PACKED_MEMORY_SHARE, 0.0
@@ -230,6 +232,9 @@ def variants(dtype: str) -> dict[str, Any]:
         out["F.linear"] = load()
     finally:
         kv.PACKED_MEMORY_SHARE = share
+    out["through forward"] = load()
+    for lean in out["through forward"].lean:
+        lean.bind(kv.through_forward)
     if out["library"].lean[0].blocked_rows is not None:
         out["row by row"] = load()
         out["row by row"].lean[0].blocked_rows = None

@@ -122,10 +122,12 @@ def test_float32_linears_from_their_size_run_prepacked_inside_a_pass(monkeypatch
     assert weight_first_calls == ([rows] if 2 <= rows <= kv.FEW_ROWS else [])
 
 
-def test_bfloat16_linears_are_not_packed_past_the_memory_share(monkeypatch):
-    monkeypatch.setattr(kv, "_available_memory", lambda: 4 * (96 * 64 * 2))  # a share of 1/4: one fits
-    monkeypatch.setattr(kv, "cpu_has_bf16", lambda: True)
-    first, second = linear(96, 64, dtype=torch.bfloat16), linear(96, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+def test_linears_are_not_packed_past_the_memory_share(monkeypatch, dtype):
+    size = 96 * 64 * dtype.itemsize
+    monkeypatch.setattr(kv, "_available_memory", lambda: 4 * size)  # a share of 1/4: one fits
+    monkeypatch.setattr(kv, "MIN_PACKED_FLOAT32_BYTES", 0)
+    first, second = linear(96, 64, dtype=dtype), linear(96, 64, dtype=dtype)
     found = kv.PassLinears(torch.nn.Sequential(first, second))
     assert found.linears == [first]
     assert not installed(second)
