@@ -194,10 +194,10 @@ class PackedWeight:
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def one_call(self, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The product as one kernel call, where it is one (one block, not padded, not row by row: every
-        float32 weight, and bfloat16 ones ``fit`` packs whole): ``__call__``'s result without its checks,
-        for a caller that has its rows in hand (``lean.LeanForward.bind``). None where it is not."""
-        if len(self.blocks) > 1 or self.pad > 1 or self.rowwise:
+        """A float32 product as one kernel call over any leading dimensions: ``__call__``'s result
+        without its checks and reshapes, for a caller that is only ever inside a pass
+        (``lean.LeanForward.bind``). None for a bfloat16 one: its rows keep the path ``fit`` checked."""
+        if self.blocks[0].dtype != torch.float32 or len(self.blocks) > 1 or self.pad > 1 or self.rowwise:
             return None
         return partial(_packed_linear, weight=self.blocks[0], bias=bias)
 
