@@ -197,13 +197,13 @@ class PackedWeight:
         """A float32 product as one kernel call over any leading dimensions: ``__call__``'s result
         without its checks and reshapes, for a caller that is only ever inside a pass
         (``lean.LeanForward.bind``). None for a bfloat16 one: its rows keep the path ``fit`` checked."""
-        if self.blocks[0].dtype != torch.float32 or len(self.blocks) > 1 or self.pad > 1 or self.rowwise:
+        if self.blocks[0].dtype != torch.float32 or self.way != (1, 1, False):  # one whole block
             return None
         return partial(_packed_linear, weight=self.blocks[0], bias=bias)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if len(self.blocks) == 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.blocks[0], bias, "none", [], "")
+            return _packed_linear(x, self.blocks[0], bias)
         (a, b), first = self.bounds[0], self.blocks[0]
         y = torch.ops.mkldnn._linear_pointwise(x[..., a:b].contiguous(), first, bias, "none", [], "")
         for (a, b), block in zip(self.bounds[1:], self.blocks[1:], strict=True):

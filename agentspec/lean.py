@@ -127,9 +127,7 @@ class _Layer:
         self.replaced = [q, k, v, gate, up]  # computed by the fused linears in a pass
         self.qkv, self.gate_up = _fuse([q, k, v]), _fuse([gate, up])
         self.o_proj, self.down_proj = o, down
-        # what a pass computes for each of the four (``LeanForward.bind``)
-        self.qkv_product, self.gate_up_product = through_forward(self.qkv), through_forward(self.gate_up)
-        self.o_product, self.down_product = through_forward(o), through_forward(down)
+        self.bind(through_forward)  # what a pass computes for each of the four (``LeanForward.bind``)
         self.intermediate = gate.out_features
         first, second = layer.input_layernorm, layer.post_attention_layernorm
         self.norm1, self.eps1 = first.weight, first.variance_epsilon
@@ -137,6 +135,11 @@ class _Layer:
         # copies, as the packed linears' are: read when installed
         self.doubled1 = torch.cat((self.norm1, self.norm1)).detach() if doubled else None
         self.doubled2 = torch.cat((self.norm2, self.norm2)).detach() if doubled else None
+
+    def bind(self, product: Callable[[torch.nn.Linear], Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        """Compute the layer's four linears in passes as ``product(linear)`` (``LeanForward.bind``)."""
+        self.qkv_product, self.gate_up_product = product(self.qkv), product(self.gate_up)
+        self.o_product, self.down_product = product(self.o_proj), product(self.down_proj)
 
     @staticmethod
     def parts(layer: Any) -> tuple:
@@ -193,8 +196,7 @@ class LeanForward:
         pass, so the per-call choice of a linear's forward is settled once here; bench_pass's
         "through forward" variant times the difference)."""
         for layer in self.layers:
-            layer.qkv_product, layer.gate_up_product = product(layer.qkv), product(layer.gate_up)
-            layer.o_product, layer.down_product = product(layer.o_proj), product(layer.down_proj)
+            layer.bind(product)
         self.lm_head_product = product(self.lm_head)
 
     @classmethod
