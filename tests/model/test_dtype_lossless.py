@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_bf16
 from test_real_model import PROMPTS
 
 import agentspec
@@ -100,13 +101,12 @@ def test_bfloat16_parts_from_generate_only_on_near_ties(bfloat16, float32, draft
     assert not far, f"divergences that are no near-tie (margin > {BF16_NEAR_TIE}): {far}"
 
 
+@needs_bf16
 @pytest.mark.parametrize("drafter", ("auto", "model", "suffix"))
 def test_bfloat16_speculation_is_token_identical_to_plain_decoding(bfloat16, drafter):
     """In bfloat16 on a CPU a verify pass's rows are bit-identical to one-row steps (prepacked linears,
     ``attention.row_by_row``), so every drafter's output is plain decoding's own, token for token."""
     pair, refs = bfloat16
-    if not kv.cpu_has_bf16():  # oneDNN emulates bfloat16 there, and nothing is prepacked
-        pytest.skip("this CPU has no bfloat16 instructions: verify passes are not held row-invariant")
     assert pair.invariant_rows == kv.INVARIANT_ROWS, "every linear fitted (kv.PackedWeight.fit)"
     drafted = []
     for name, (ids, _) in refs.items():

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from conftest import needs_bf16
 from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
 
 from agentspec import kv, lean
@@ -165,6 +166,7 @@ def test_passes_outside_its_cache_kinds_keep_transformers_forward(models):
     torch.testing.assert_close(got, reference(untouched, [5, 17, 42]), rtol=1e-5, atol=1e-5)
 
 
+@needs_bf16
 @pytest.mark.parametrize("prompt_len", [20, 40])
 def test_a_bfloat16_prompt_pass_past_the_invariant_rows_carries_no_draft(tiny_llama, tokenizer, prompt_len):
     """In bfloat16 on a CPU a pass's rows are a one-row pass's only up to ``attention.invariant_rows``:
@@ -172,8 +174,6 @@ def test_a_bfloat16_prompt_pass_past_the_invariant_rows_carries_no_draft(tiny_ll
     prompt within them takes its draft along. Either way the reply is plain decoding's, token for token."""
     import agentspec
 
-    if not kv.cpu_has_bf16():  # oneDNN emulates bfloat16 there, and nothing is prepacked
-        pytest.skip("this CPU has no bfloat16 instructions: passes are not held row-invariant")
     model = tiny_llama(4).to(torch.bfloat16)
     pair = ModelPair(target=model, tokenizer=tokenizer)
     limit = pair.invariant_rows
@@ -205,13 +205,12 @@ def test_a_model_with_fused_weights_saves_and_reloads(models, tmp_path):
         assert torch.equal(reloaded.state_dict()[name], p), name
 
 
+@needs_bf16
 @pytest.mark.parametrize("blocked", [True, False])
 def test_bfloat16_pass_rows_carry_one_row_steps_bits(tiny_llama, monkeypatch, blocked):
     """In bfloat16 on a CPU every row of a verify pass, solo or packed with another sequence, is a
     one-row step's bits, across a key block's end: blocked (one SDPA call a layer,
     ``attention.blocked_attention``) where this CPU's kernel keeps them, else row by row."""
-    if not kv.cpu_has_bf16():  # oneDNN emulates bfloat16 there, and nothing is prepacked
-        pytest.skip("this CPU has no bfloat16 instructions: passes are not held row-invariant")
     if not blocked:
         monkeypatch.setattr(lean, "blocked_fits", lambda *shape: False)
     model = tiny_llama(4, vocab_size=VOCAB, hidden=64).to(torch.bfloat16)

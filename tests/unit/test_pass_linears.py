@@ -16,6 +16,7 @@ import threading
 
 import pytest
 import torch
+from conftest import needs_bf16
 
 from agentspec import kv
 from agentspec.models import ModelPair
@@ -86,9 +87,6 @@ def test_subclasses_are_left_alone(every_weight_is_large):
 
     sub = Scaled(16, 48)
     assert not kv.PassLinears(sub).linears and not installed(sub)
-
-
-needs_bf16 = pytest.mark.skipif(not kv.cpu_has_bf16(), reason="this CPU has no bfloat16 instructions")
 
 
 @needs_bf16
