@@ -199,6 +199,22 @@ class LeanForward:
             layer.bind(product)
         self.lm_head_product = product(self.lm_head)
 
+    def linears(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.nn.Linear]]:
+        """Each linear a pass computes, in a pass's order (each layer's qkv, o, gate_up and down, then
+        the LM head), with what computes it (``bind``): for timing them on their own
+        (``agentspec.bench.passes.linears_alone``)."""
+        chain = [
+            (product, linear)
+            for layer in self.layers
+            for product, linear in (
+                (layer.qkv_product, layer.qkv),
+                (layer.o_product, layer.o_proj),
+                (layer.gate_up_product, layer.gate_up),
+                (layer.down_product, layer.down_proj),
+            )
+        ]
+        return [*chain, (self.lm_head_product, self.lm_head)]
+
     @classmethod
     def install(cls, model: Any) -> LeanForward:
         lean = cls(model)

@@ -27,11 +27,16 @@ In one run, side by side:
 4. Against the limit: each one-row pass as weight bytes read (``roofline.bytes_per_step``) per
    second over the read bandwidth (issue 29's goal: float32 at least 0.7): the fastest of the reads
    measured at the start and just before and after each dtype's passes (``reads_gb_s``).
+   Beside it, the pass's linears alone, back to back (``passes.linears_alone``): the fraction a
+   pass could reach on these kernels if nothing else took time; and vLLM's step over the same bound.
 5. Baselines after the same 400-token prompt (real text), greedy, never stopping early: a decode
    step of transformers ``generate()`` on the same model, of agentspec's plain decoding
-   (``speculative=False``, no prefix cache) and of vLLM (``benchmarks/vllm_step.py`` in
+   (``speculative=False``, no prefix cache) and of vLLM (``benchmarks/vllm_step.py --paced`` in
    ``.venv-vllm``: the offline engine, no speculation, no prefix caching, its worker bound to as
    many CPUs as torch has threads here). Each step is (time of 101 new tokens - time of 1) / 100.
+   agentspec's and vLLM's rounds are interleaved, which goes first turning each round, and each
+   round gives a ratio of the two steps (``steps_side_by_side``): the goal's figure is their median,
+   as the machine's drift over minutes (10-20% here) moves both sides of a round alike.
 
 Writes JSON (--out; ``goals`` holds the issue's figures) and prints a table.
 """
@@ -41,11 +46,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -99,20 +107,26 @@ def prompt_ids(tokenizer) -> list[int]:
     return ids[:PROMPT_TOKENS]
 
 
+def step_summary(long: list[float], short: list[float], n: int) -> dict[str, Any]:
+    """A decode step's ms from calls of n and of 1 new tokens (seconds each): (median n - median 1)
+    / (n - 1), and the same from the best of each."""
+    return {
+        "step_ms": (statistics.median(long) - statistics.median(short)) / (n - 1) * 1e3,
+        "step_ms_best": (min(long) - min(short)) / (n - 1) * 1e3,
+        "new_tokens": n,
+        "repeats": len(long),
+    }
+
+
 def step_from_calls(call, n: int, repeats: int) -> dict[str, Any]:
     """A decode step's ms from ``call(m)`` (seconds of a call making m new tokens): calls of n and of
-    1 alternate (after a warm-up), (median n - median 1) / (n - 1)."""
+    1 alternate (after a warm-up), as ``step_summary``."""
     call(2)
     long, short = [], []
     for r in range(repeats):
         for m in (n, 1) if r % 2 else (1, n):
             (long if m == n else short).append(call(m))
-    return {
-        "step_ms": (statistics.median(long) - statistics.median(short)) / (n - 1) * 1e3,
-        "step_ms_best": (min(long) - min(short)) / (n - 1) * 1e3,
-        "new_tokens": n,
-        "repeats": repeats,
-    }
+    return step_summary(long, short, n)
 
 
 def hf_step(model, ids: list[int], n: int, repeats: int) -> dict[str, Any]:
@@ -125,19 +139,6 @@ def hf_step(model, ids: list[int], n: int, repeats: int) -> dict[str, Any]:
             out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                  max_new_tokens=m, min_new_tokens=m)  # fmt: skip
         assert out.shape[1] == len(ids) + m, f"{out.shape=}"
-        return time.perf_counter() - t0
-
-    return step_from_calls(call, n, repeats)
-
-
-def agentspec_step(pair, ids: list[int], n: int, repeats: int) -> dict[str, Any]:
-    """agentspec's plain decoding step (no drafts, no prefix cache, no EOS: it never stops early)."""
-
-    def call(m: int) -> float:
-        t0 = time.perf_counter()
-        out = agentspec.generate(pair, ids, None, False, max_new_tokens=m, speculative=False,
-                                 eos_token_ids=frozenset())  # fmt: skip
-        assert len(out.token_ids) == m, f"{len(out.token_ids)=} {m=}"
         return time.perf_counter() - t0
 
     return step_from_calls(call, n, repeats)
@@ -157,6 +158,8 @@ def target_passes(pair, args, reads: list[float]) -> dict[str, Any]:
     read_gb_s = max(reads)
     n_bytes = roofline.bytes_per_step(model)
     one = statistics.median(times[min(args.rows)])
+    lean = [x for x in pair.lean if x.model is model]
+    alone = statistics.median(passes.linears_alone(lean[0], args.repeats)) if lean else None
     return {
         "reads_gb_s": list(reads),
         "bound_read_gb_s": read_gb_s,
@@ -166,6 +169,9 @@ def target_passes(pair, args, reads: list[float]) -> dict[str, Any]:
         "bound_ms": n_bytes / read_gb_s / 1e6,
         "achieved_gb_s": n_bytes / one / 1e6,
         "fraction_of_bound": n_bytes / one / 1e6 / read_gb_s,  # 1.0 = at the read-bandwidth floor
+        # the pass's linears alone, back to back: the fraction a pass on these kernels could reach
+        "linears_alone_ms": alone,
+        "linears_alone_fraction_of_bound": n_bytes / alone / 1e6 / read_gb_s if lean else None,
         "profile": {
             str(k): passes.profile_passes(model, args.cache_len, k, args.profile_passes) for k in args.rows
         },
@@ -189,27 +195,118 @@ def draft_step(dtype: str, args, read_gb_s: float) -> dict[str, Any]:
             **passes.summary(times), "fraction_of_bound": n_bytes / ms / 1e6 / read_gb_s}  # fmt: skip
 
 
-def vllm_step(dtype: str, ids: list[int], args) -> dict[str, Any]:
-    """vLLM's decode step in ``dtype`` (``benchmarks/vllm_step.py`` in vLLM's environment), its
-    worker bound to as many CPUs as torch's threads here."""
-    threads = torch.get_num_threads()
-    bind = cpu_bind(threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        ids_path, out = Path(tmp) / "ids.json", Path(tmp) / "step.json"
+class PacedVllm:
+    """vLLM's decode-step rounds on request: ``benchmarks/vllm_step.py --paced`` in vLLM's environment,
+    its worker bound to as many CPUs as torch's threads here. Its output is read on a thread of its
+    own (vLLM logs there too, and a full pipe would stall it); idle between rounds, it waits on its
+    input."""
+
+    def __init__(self, dtype: str, ids: list[int], args):
+        self.threads = torch.get_num_threads()
+        self.bind = cpu_bind(self.threads)
+        self.tmp = tempfile.TemporaryDirectory()
+        ids_path, self.out = Path(self.tmp.name) / "ids.json", Path(self.tmp.name) / "step.json"
         ids_path.write_text(json.dumps(ids))
-        command = [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_step.py"), "--model",
+        command = [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_step.py"), "--paced", "--model",
                    str(ensure_default_model()), "--dtype", dtype, "--prompt-ids", str(ids_path),
-                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats_calls),
-                   "--max-model-len", str(MAX_MODEL_LEN), "--memory-utilization",
-                   str(MEMORY_UTILIZATION), "--out", str(out)]  # fmt: skip
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind}
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=VLLM_TIMEOUT_S)
-        log = done.stdout + done.stderr
-        if done.returncode != 0 or not out.exists():
-            return {"status": "error", "returncode": done.returncode, "log_tail": log[-3000:]}
-        result = json.loads(out.read_text())
-    bound = [ln.split("core ids=", 1)[1].strip() for ln in log.splitlines() if "core ids=" in ln]
-    return {"status": "ok", "bind": bind, "threads": threads, "worker_core_ids": bound[:1], **result}
+                   "--new-tokens", str(args.new_tokens), "--max-model-len", str(MAX_MODEL_LEN),
+                   "--memory-utilization", str(MEMORY_UTILIZATION), "--out", str(self.out)]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.bind}
+        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)  # fmt: skip
+        self.log: deque[str] = deque(maxlen=200)
+        self.answers: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if line.startswith(("READY", "ROUND ")):
+                self.answers.put(line)
+        self.answers.put(None)  # the process ended
+
+    def _answer(self, timeout: float) -> str:
+        try:
+            line = self.answers.get(timeout=timeout)
+        except queue.Empty:
+            line = None
+        if line is None:
+            raise RuntimeError("vllm_step.py gave no answer:\n" + "".join(self.log)[-3000:])
+        return line
+
+    def ready(self) -> None:
+        self._answer(VLLM_TIMEOUT_S)
+
+    def round(self) -> tuple[float, float]:
+        """(seconds of its call of the new tokens, of its call of one)."""
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        times = json.loads(self._answer(VLLM_TIMEOUT_S).split(" ", 1)[1])
+        return times["long"], times["short"]
+
+    def close(self) -> dict[str, Any]:
+        """vLLM's own summary (vllm_step.py's --out), after telling it to quit; {} if it wrote none."""
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        result = json.loads(self.out.read_text()) if self.out.exists() else {}
+        self.tmp.cleanup()
+        bound = [ln.split("core ids=", 1)[1].strip() for ln in self.log if "core ids=" in ln]
+        return {"bind": self.bind, "threads": self.threads, "worker_core_ids": bound[:1], **result}
+
+
+def steps_side_by_side(pair, ids: list[int], dtype: str, args) -> dict[str, Any]:
+    """agentspec's plain decoding step (no drafts, no prefix cache, no EOS: it never stops early) and
+    vLLM's, their rounds interleaved: each round one call of ``new_tokens`` and one of 1 on each
+    side, which side goes first turning each round; a round's step ratio is agentspec's over vLLM's
+    in that round, so drift over the run's minutes cancels in the ratios' median."""
+
+    def call(m: int) -> float:
+        t0 = time.perf_counter()
+        out = agentspec.generate(pair, ids, None, False, max_new_tokens=m, speculative=False,
+                                 eos_token_ids=frozenset())  # fmt: skip
+        assert len(out.token_ids) == m, f"{len(out.token_ids)=} {m=}"
+        return time.perf_counter() - t0
+
+    n = args.new_tokens
+
+    def our_round(r: int) -> tuple[float, float]:
+        times = {m: call(m) for m in ((n, 1) if r % 2 else (1, n))}
+        return times[n], times[1]
+
+    vllm = None if args.no_vllm else PacedVllm(dtype, ids, args)
+    call(2)  # warm-up
+    long, short, theirs, rounds = [], [], [], []
+    try:
+        if vllm is not None:
+            vllm.ready()
+        sides = {"agentspec": our_round}
+        if vllm is not None:
+            sides["vllm"] = lambda r: vllm.round()
+        for r in range(args.repeats_calls):
+            order = list(sides) if r % 2 else list(sides)[::-1]
+            times = {side: sides[side](r) for side in order}
+            long.append(times["agentspec"][0])
+            short.append(times["agentspec"][1])
+            if vllm is not None:
+                theirs.append(times["vllm"])
+                a, b = (x[0] - x[1] for x in (times["agentspec"], times["vllm"]))
+                rounds.append({"agentspec_step_ms": a / (n - 1) * 1e3, "vllm_step_ms": b / (n - 1) * 1e3,
+                               "ratio": a / b, "first": order[0]})  # fmt: skip
+    except RuntimeError as exc:  # vLLM failed: agentspec's rounds so far, and vLLM's log
+        return {"agentspec_plain": step_summary(long, short, n) if long else {},
+                "vllm": {"status": "error", "log_tail": str(exc)[-3000:], **vllm.close()}}  # fmt: skip
+    out: dict[str, Any] = {"agentspec_plain": step_summary(long, short, n)}
+    if vllm is not None:
+        summary = step_summary([t[0] for t in theirs], [t[1] for t in theirs], n)
+        out["vllm"] = {"status": "ok", **vllm.close(), **summary}
+        out["rounds"] = rounds
+        out["ratio_median"] = statistics.median(x["ratio"] for x in rounds)
+    return out
 
 
 def variants(dtype: str) -> dict[str, Any]:
@@ -287,15 +384,16 @@ def run_dtype(dtype: str, args, reads: list[float]) -> dict[str, Any]:
     read_gb_s = out["target"]["bound_read_gb_s"]
     print(f"{dtype}: the library's passes beside the other ways (variants) ...", flush=True)
     out["linears"] = linear_paths(dtype, args)
-    print(f"{dtype}: generate() and agentspec plain steps ...", flush=True)
+    print(f"{dtype}: generate() steps ...", flush=True)
     out["hf_generate"] = hf_step(pair.target, ids, args.new_tokens, args.repeats_calls)
-    out["agentspec_plain"] = agentspec_step(pair, ids, args.new_tokens, args.repeats_calls)
+    print(
+        f"{dtype}: agentspec's plain steps and vLLM's, interleaved (its start-up a minute or two) ...",
+        flush=True,
+    )
+    out.update(steps_side_by_side(pair, ids, dtype, args))
     del pair
     print(f"{dtype}: draft step ...", flush=True)
     out["draft"] = draft_step(dtype, args, read_gb_s)
-    if not args.no_vllm:
-        print(f"{dtype}: vLLM (start-up a minute or two) ...", flush=True)
-        out["vllm"] = vllm_step(dtype, ids, args)
     return out
 
 
@@ -313,7 +411,11 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
             "hf_generate_step_ms": r["hf_generate"]["step_ms"],
             "agentspec_plain_over_vllm": r["agentspec_plain"]["step_ms"] / vllm if vllm else None,
             "pass_1_over_vllm": one / vllm if vllm else None,
+            "agentspec_plain_over_vllm_rounds_median": r.get("ratio_median"),
             "fraction_of_bound": r["target"]["fraction_of_bound"],
+            "linears_alone_fraction_of_bound": r["target"]["linears_alone_fraction_of_bound"],
+            # vLLM's step read the same weights: its fraction of the same bound
+            "vllm_fraction_of_bound": r["target"]["bound_ms"] / vllm if vllm else None,
             "threads": {
                 "agentspec": torch.get_num_threads(),
                 "vllm_worker_cpus": r.get("vllm", {}).get("bind"),
@@ -345,6 +447,12 @@ def table(result: dict[str, Any]) -> None:
                  "vLLM": r.get("vllm", {})}  # fmt: skip
         cells = "  ".join(f"{n} {s['step_ms']:.1f}" for n, s in steps.items() if "step_ms" in s)
         print(f"  decode step ms: {cells}; draft step {r['draft'].get('median_ms', float('nan')):.1f}")
+        if "rounds" in r:
+            ratios = ", ".join(f"{x['ratio']:.3f}" for x in r["rounds"])
+            print(f"  agentspec plain step / vLLM's, by round: {ratios}; median {r['ratio_median']:.3f}")
+        if t["linears_alone_ms"] is not None:
+            alone = t["linears_alone_ms"]
+            print(f"  linears alone {alone:.1f} ms: fraction {t['linears_alone_fraction_of_bound']:.2f}")
     print(json.dumps(result["goals"], indent=1))
 
 
@@ -362,7 +470,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.rows = [int(k) for k in args.rows.split(",")]
     if args.quick:
         args.repeats = min(args.repeats, 2)
-    args.repeats_calls = 1 if args.quick else 3  # rounds of whole calls (decode-step baselines)
+    args.repeats_calls = 1 if args.quick else 5  # rounds of whole calls (decode-step baselines)
     args.new_tokens = 21 if args.quick else 101
     args.profile_passes = 2 if args.quick else 5
     args.bandwidth_repeats = 2 if args.quick else 7

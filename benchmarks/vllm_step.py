@@ -11,6 +11,11 @@ prompt), greedy with EOS ignored: one call of ``--new-tokens`` tokens and one of
 the same prompt, alternating for ``--repeats`` rounds after a warm-up; the step is the difference of
 their times over the extra tokens (median of each, and best of each). Its threads are vLLM's own:
 on a CPU, ``VLLM_CPU_OMP_THREADS_BIND`` in the environment (the caller sets it).
+
+With ``--paced``, the rounds are the caller's: after the warm-up it prints ``READY``, then runs one
+round for each ``round`` line on its standard input, printing ``ROUND {"long": s, "short": s}``, until
+``quit`` (or the input's end); so ``bench_pass`` times vLLM's rounds between agentspec's, and the
+machine's drift over minutes hits both alike.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -36,12 +42,36 @@ def timed_call(llm, ids: list[int], n: int) -> float:
     return seconds
 
 
-def measure(llm, ids: list[int], n: int, repeats: int) -> dict:
-    timed_call(llm, ids, 2)  # warm-up
+def one_round(llm, ids: list[int], n: int, r: int) -> tuple[float, float]:
+    """(seconds of the call of ``n`` tokens, of the call of 1), in an order that alternates with ``r``."""
+    times = {m: timed_call(llm, ids, m) for m in ((n, 1) if r % 2 else (1, n))}  # drift hits both
+    return times[n], times[1]
+
+
+def rounds_on_stdin(llm, ids: list[int], n: int) -> tuple[list[float], list[float]]:
+    """``--paced``: one round per ``round`` line on standard input, each answered on standard output."""
     long, short = [], []
-    for r in range(repeats):
-        for m in (n, 1) if r % 2 else (1, n):  # alternate the order: drift hits both
-            (long if m == n else short).append(timed_call(llm, ids, m))
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        a, b = one_round(llm, ids, n, len(long))
+        long.append(a)
+        short.append(b)
+        print("ROUND " + json.dumps({"long": a, "short": b}), flush=True)
+    return long, short
+
+
+def measure(llm, ids: list[int], n: int, repeats: int, paced: bool) -> dict:
+    timed_call(llm, ids, 2)  # warm-up
+    if paced:
+        long, short = rounds_on_stdin(llm, ids, n)
+    else:
+        long, short = [], []
+        for r in range(repeats):
+            a, b = one_round(llm, ids, n, r)
+            long.append(a)
+            short.append(b)
     return {
         "step_ms": (statistics.median(long) - statistics.median(short)) / (n - 1) * 1e3,
         "step_ms_best": (min(long) - min(short)) / (n - 1) * 1e3,
@@ -58,6 +88,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--memory-utilization", type=float, default=0.25)
+    ap.add_argument("--paced", action="store_true", help="rounds on request, on standard input")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     import torch
@@ -75,10 +106,11 @@ def main() -> None:
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "paced": args.paced,
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         "frontend_torch_threads": torch.get_num_threads(),
-        **measure(llm, ids, args.new_tokens, args.repeats),
+        **measure(llm, ids, args.new_tokens, args.repeats, args.paced),
     }
     args.out.write_text(json.dumps(result, indent=1))
 

@@ -85,6 +85,27 @@ def pass_times(model, cache_len: int, rows: list[int], repeats: int) -> dict[int
     return times
 
 
+def linears_alone(lean, repeats: int) -> list[float]:
+    """ms of one row through every linear of a pass (``lean.LeanForward.linears``: the computations
+    a pass runs them by), back to back with nothing between: what a pass on these kernels would take
+    if all else were free, the ceiling of its fraction of the bandwidth bound. Between a pass's
+    linears, its other ops find the CPU's caches emptied by the weights' reads. ``repeats`` runs after
+    one dropped."""
+    chain = lean.linears()
+    weight = chain[-1][1].weight
+    inputs = {
+        width: torch.randn(1, 1, width, dtype=weight.dtype, device=weight.device)
+        for width in {linear.in_features for _, linear in chain}
+    }
+
+    def run() -> None:
+        for product, linear in chain:
+            product(inputs[linear.in_features])
+
+    with torch.inference_mode():
+        return [timed_ms(run, weight.device) for _ in range(repeats + 1)][1:]
+
+
 def summary(times: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
 

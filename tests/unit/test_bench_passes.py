@@ -1,10 +1,13 @@
-"""``agentspec.bench.passes``: op categories by name, and a profiled pass on a tiny model."""
+"""``agentspec.bench.passes``: op categories by name, a profiled pass on a tiny model, and a pass's
+linears timed on their own."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from agentspec.bench import passes
+from agentspec.models import ModelPair
 
 
 @pytest.mark.parametrize(
@@ -39,3 +42,19 @@ def test_a_profiled_pass_splits_its_wall_time(target, one_thread):
 def test_pass_times_times_every_row_count_each_round(target, one_thread):
     times = passes.pass_times(target, cache_len=16, rows=[1, 3], repeats=2)
     assert {k: len(v) for k, v in times.items()} == {1: 2, 3: 2}
+
+
+def test_linears_alone_runs_every_linear_of_a_pass_as_the_pass_does(tiny_llama, one_thread):
+    model = tiny_llama(3)
+    lean = ModelPair(target=model, tokenizer=None).lean[0]
+    chain = lean.linears()
+    assert len(chain) == 4 * model.config.num_hidden_layers + 1 and chain[-1][1] is model.lm_head
+    # with the model's linears the fused ones stand for, the chain's are all of the model's
+    ran = {id(linear) for _, linear in chain} - {id(m) for m in lean.fused} | {id(m) for m in lean.replaced}
+    assert ran == {id(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    for product, linear in chain:  # each computes its linear
+        x = torch.randn(1, 1, linear.in_features)
+        with torch.inference_mode():
+            torch.testing.assert_close(product(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    times = passes.linears_alone(lean, repeats=2)
+    assert len(times) == 2 and all(t > 0 for t in times)
