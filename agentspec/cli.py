@@ -387,6 +387,7 @@ def cmd_vllm_worker(args: argparse.Namespace) -> int:
             python=python,
             threads=args.threads,
             first_cpu=args.first_cpu,
+            eager=args.eager,
         )
     except ValueError as exc:
         print(f"agentspec vllm-worker: {exc}", file=sys.stderr)
@@ -407,6 +408,9 @@ def _add_vllm_worker(sub: argparse._SubParsersAction) -> None:
         help="CPU: threads, bound to N allowed CPUs from --first-cpu (default: vLLM's binding)",
     )
     w.add_argument("--first-cpu", type=int, default=0, help="with --threads: the first CPU (default 0)")
+    w.add_argument(
+        "--eager", action="store_true", help="skip vLLM's start-up compile: starts faster, runs slower"
+    )
     w.add_argument("--python", help="the interpreter with vLLM (default: the checkout's .venv-vllm)")
     w.set_defaults(func=cmd_vllm_worker)
 

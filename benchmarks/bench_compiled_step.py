@@ -4,9 +4,11 @@
 Run from the repository root, with the machine to itself (about 5 minutes on 2 cores):
 
     python -m benchmarks.bench_compiled_step [--configs bfloat16:default,bfloat16:freezing,float32:default]
-        [--rounds 12] [--out benchmarks/results/compiled_step.json]
+        [--rounds 12] [--warm-cache] [--out benchmarks/results/compiled_step.json]
 
-Each config runs in a fresh process with an empty inductor cache (a user's first load). The embedded
+Each config runs in a fresh process with an empty inductor cache (a user's first load); with
+``--warm-cache``, then again in another fresh process over the cache the first one filled (a later load
+on the same machine: what a compile paid once per machine would cost each load). The embedded
 target (``load_pair(dtype=..., warm_up=False)``) holds 400 random tokens. ``step`` is the lean forward's
 one-row math as a plain function over explicit KV buffers (``agentspec.lean``'s weights and rotary),
 the keys and values written in place at ``held``, attention over the first ``held + 1`` rows with
@@ -122,9 +124,10 @@ def child(dtype: str, mode: str, rounds: int) -> dict[str, Any]:
     return out
 
 
-def run_config(config: str, rounds: int) -> dict[str, Any]:
+def run_config(config: str, rounds: int, cache: str) -> dict[str, Any]:
+    """One config in a fresh process over the inductor cache directory ``cache``."""
     dtype, mode = config.split(":")
-    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "out.json"
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         command = [sys.executable, "-m", "benchmarks.bench_compiled_step", "--child", config,
@@ -144,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="bfloat16:default,bfloat16:freezing,float32:default")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument(
+        "--warm-cache", action="store_true", help="run each config again over the cache its first run filled"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compiled_step.json")
     args = ap.parse_args(argv)
@@ -153,10 +159,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs = []
     for config in args.configs.split(","):
-        print(f"{config} ...", flush=True)
-        runs.append(run_config(config, args.rounds))
-        print(json.dumps({k: v for k, v in runs[-1].items() if k != "environment"}, indent=1), flush=True)
-    result = {"settings": {"rounds": args.rounds, "cache_len": CACHE_LEN, "capacity": CAPACITY}, "runs": runs}
+        with tempfile.TemporaryDirectory() as cache:
+            for inductor_cache in ("empty", "warm") if args.warm_cache else ("empty",):
+                print(f"{config}, inductor cache {inductor_cache} ...", flush=True)
+                runs.append({"inductor_cache": inductor_cache, **run_config(config, args.rounds, cache)})
+                shown = {k: v for k, v in runs[-1].items() if k != "environment"}
+                print(json.dumps(shown, indent=1), flush=True)
+    settings = {
+        "rounds": args.rounds,
+        "cache_len": CACHE_LEN,
+        "capacity": CAPACITY,
+        "warm_cache": args.warm_cache,
+    }
+    result = {"settings": settings, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"wrote {args.out}")
