@@ -141,6 +141,15 @@ class _Layer:
         self.qkv_product, self.gate_up_product = product(self.qkv), product(self.gate_up)
         self.o_product, self.down_product = product(self.o_proj), product(self.down_proj)
 
+    def linears(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.nn.Linear]]:
+        """(what computes it in a pass, the linear) for the layer's four, in a pass's order."""
+        return [
+            (self.qkv_product, self.qkv),
+            (self.o_product, self.o_proj),
+            (self.gate_up_product, self.gate_up),
+            (self.down_product, self.down_proj),
+        ]
+
     @staticmethod
     def parts(layer: Any) -> tuple:
         """((q, k, v), o, (gate, up), down): the layer's linears."""
@@ -203,17 +212,7 @@ class LeanForward:
         """Each linear a pass computes, in a pass's order (each layer's qkv, o, gate_up and down, then
         the LM head), with what computes it (``bind``): for timing them on their own
         (``agentspec.bench.passes.linears_alone``)."""
-        chain = [
-            (product, linear)
-            for layer in self.layers
-            for product, linear in (
-                (layer.qkv_product, layer.qkv),
-                (layer.o_product, layer.o_proj),
-                (layer.gate_up_product, layer.gate_up),
-                (layer.down_product, layer.down_proj),
-            )
-        ]
-        return [*chain, (self.lm_head_product, self.lm_head)]
+        return [*(x for layer in self.layers for x in layer.linears()), (self.lm_head_product, self.lm_head)]
 
     @classmethod
     def install(cls, model: Any) -> LeanForward:

@@ -118,15 +118,19 @@ def step_summary(long: list[float], short: list[float], n: int) -> dict[str, Any
     }
 
 
+def round_of_calls(call, n: int, r: int) -> tuple[float, float]:
+    """(seconds of ``call(n)``, of ``call(1)``), in an order that turns with the round ``r``: drift
+    hits both alike."""
+    times = {m: call(m) for m in ((n, 1) if r % 2 else (1, n))}
+    return times[n], times[1]
+
+
 def step_from_calls(call, n: int, repeats: int) -> dict[str, Any]:
-    """A decode step's ms from ``call(m)`` (seconds of a call making m new tokens): calls of n and of
-    1 alternate (after a warm-up), as ``step_summary``."""
+    """A decode step's ms from ``call(m)`` (seconds of a call making m new tokens): ``repeats`` rounds
+    of ``round_of_calls`` after a warm-up, as ``step_summary``."""
     call(2)
-    long, short = [], []
-    for r in range(repeats):
-        for m in (n, 1) if r % 2 else (1, n):
-            (long if m == n else short).append(call(m))
-    return step_summary(long, short, n)
+    long, short = zip(*(round_of_calls(call, n, r) for r in range(repeats)), strict=True)
+    return step_summary(list(long), list(short), n)
 
 
 def hf_step(model, ids: list[int], n: int, repeats: int) -> dict[str, Any]:
@@ -171,7 +175,7 @@ def target_passes(pair, args, reads: list[float]) -> dict[str, Any]:
         "fraction_of_bound": n_bytes / one / 1e6 / read_gb_s,  # 1.0 = at the read-bandwidth floor
         # the pass's linears alone, back to back: the fraction a pass on these kernels could reach
         "linears_alone_ms": alone,
-        "linears_alone_fraction_of_bound": n_bytes / alone / 1e6 / read_gb_s if lean else None,
+        "linears_alone_fraction_of_bound": n_bytes / alone / 1e6 / read_gb_s if alone else None,
         "profile": {
             str(k): passes.profile_passes(model, args.cache_len, k, args.profile_passes) for k in args.rows
         },
@@ -193,6 +197,10 @@ def draft_step(dtype: str, args, read_gb_s: float) -> dict[str, Any]:
     ms = statistics.median(times)
     return {"name": pair.draft_name, "eagle": is_eagle(draft), "bytes_per_step": n_bytes,
             **passes.summary(times), "fraction_of_bound": n_bytes / ms / 1e6 / read_gb_s}  # fmt: skip
+
+
+class VllmFailed(RuntimeError):
+    """``vllm_step.py --paced`` ended or went silent before answering."""
 
 
 class PacedVllm:
@@ -231,7 +239,7 @@ class PacedVllm:
         except queue.Empty:
             line = None
         if line is None:
-            raise RuntimeError("vllm_step.py gave no answer:\n" + "".join(self.log)[-3000:])
+            raise VllmFailed("vllm_step.py gave no answer:\n" + "".join(self.log)[-3000:])
         return line
 
     def ready(self) -> None:
@@ -273,40 +281,34 @@ def steps_side_by_side(pair, ids: list[int], dtype: str, args) -> dict[str, Any]
         return time.perf_counter() - t0
 
     n = args.new_tokens
-
-    def our_round(r: int) -> tuple[float, float]:
-        times = {m: call(m) for m in ((n, 1) if r % 2 else (1, n))}
-        return times[n], times[1]
-
-    vllm = None if args.no_vllm else PacedVllm(dtype, ids, args)
+    if args.no_vllm:
+        return {"agentspec_plain": step_from_calls(call, n, args.repeats_calls)}
+    vllm = PacedVllm(dtype, ids, args)
+    sides = {"agentspec": partial(round_of_calls, call, n), "vllm": lambda r: vllm.round()}
     call(2)  # warm-up
-    long, short, theirs, rounds = [], [], [], []
+    rounds: list[dict[str, tuple[float, float]]] = []
     try:
-        if vllm is not None:
-            vllm.ready()
-        sides = {"agentspec": our_round}
-        if vllm is not None:
-            sides["vllm"] = lambda r: vllm.round()
+        vllm.ready()
         for r in range(args.repeats_calls):
             order = list(sides) if r % 2 else list(sides)[::-1]
-            times = {side: sides[side](r) for side in order}
-            long.append(times["agentspec"][0])
-            short.append(times["agentspec"][1])
-            if vllm is not None:
-                theirs.append(times["vllm"])
-                a, b = (x[0] - x[1] for x in (times["agentspec"], times["vllm"]))
-                rounds.append({"agentspec_step_ms": a / (n - 1) * 1e3, "vllm_step_ms": b / (n - 1) * 1e3,
-                               "ratio": a / b, "first": order[0]})  # fmt: skip
-    except RuntimeError as exc:  # vLLM failed: agentspec's rounds so far, and vLLM's log
-        return {"agentspec_plain": step_summary(long, short, n) if long else {},
-                "vllm": {"status": "error", "log_tail": str(exc)[-3000:], **vllm.close()}}  # fmt: skip
-    out: dict[str, Any] = {"agentspec_plain": step_summary(long, short, n)}
-    if vllm is not None:
-        summary = step_summary([t[0] for t in theirs], [t[1] for t in theirs], n)
-        out["vllm"] = {"status": "ok", **vllm.close(), **summary}
-        out["rounds"] = rounds
-        out["ratio_median"] = statistics.median(x["ratio"] for x in rounds)
-    return out
+            rounds.append({side: sides[side](r) for side in order})
+    except VllmFailed as exc:  # its log, and agentspec's steps alone
+        failed = {"status": "error", "log_tail": str(exc)[-3000:], **vllm.close()}
+        return {"agentspec_plain": step_from_calls(call, n, args.repeats_calls), "vllm": failed}
+
+    def steps(side: str, of: list[dict]) -> dict[str, Any]:
+        return step_summary([x[side][0] for x in of], [x[side][1] for x in of], n)
+
+    per_round = []
+    for x in rounds:
+        a, b = (steps(side, [x])["step_ms"] for side in ("agentspec", "vllm"))
+        per_round.append({"first": next(iter(x)), "agentspec_step_ms": a, "vllm_step_ms": b, "ratio": a / b})
+    return {
+        "agentspec_plain": steps("agentspec", rounds),
+        "vllm": {"status": "ok", **vllm.close(), **steps("vllm", rounds)},
+        "rounds": per_round,
+        "ratio_median": statistics.median(x["ratio"] for x in per_round),
+    }
 
 
 def variants(dtype: str) -> dict[str, Any]:
