@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -209,7 +210,7 @@ class PacedVllm:
     own (vLLM logs there too, and a full pipe would stall it); idle between rounds, it waits on its
     input."""
 
-    def __init__(self, dtype: str, ids: list[int], args):
+    def __init__(self, dtype: str, ids: list[int], args, eager: bool = False):
         self.threads = torch.get_num_threads()
         self.bind = cpu_bind(self.threads)
         self.tmp = tempfile.TemporaryDirectory()
@@ -219,6 +220,8 @@ class PacedVllm:
                    str(ensure_default_model()), "--dtype", dtype, "--prompt-ids", str(ids_path),
                    "--new-tokens", str(args.new_tokens), "--max-model-len", str(MAX_MODEL_LEN),
                    "--memory-utilization", str(MEMORY_UTILIZATION), "--out", str(self.out)]  # fmt: skip
+        if eager:
+            command.append("--enforce-eager")
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.bind}
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1)  # fmt: skip
@@ -269,9 +272,10 @@ class PacedVllm:
 
 def steps_side_by_side(pair, ids: list[int], dtype: str, args) -> dict[str, Any]:
     """agentspec's plain decoding step (no drafts, no prefix cache, no EOS: it never stops early) and
-    vLLM's, their rounds interleaved: each round one call of ``new_tokens`` and one of 1 on each
-    side, which side goes first turning each round; a round's step ratio is agentspec's over vLLM's
-    in that round, so drift over the run's minutes cancels in the ratios' median."""
+    vLLM's (and, with ``--vllm-eager``, vLLM's without its start-up compile), their rounds interleaved:
+    each round one call of ``new_tokens`` and one of 1 on each side, which side goes first turning
+    each round; a round's step ratio is agentspec's over each vLLM's in that round, so drift over the
+    run's minutes cancels in the ratios' median."""
 
     def call(m: int) -> float:
         t0 = time.perf_counter()
@@ -283,32 +287,60 @@ def steps_side_by_side(pair, ids: list[int], dtype: str, args) -> dict[str, Any]
     n = args.new_tokens
     if args.no_vllm:
         return {"agentspec_plain": step_from_calls(call, n, args.repeats_calls)}
-    vllm = PacedVllm(dtype, ids, args)
-    sides = {"agentspec": partial(round_of_calls, call, n), "vllm": lambda r: vllm.round()}
+    engines = {name: PacedVllm(dtype, ids, args, eager=name == "vllm_eager") for name in vllm_sides(args)}
+    sides = {"agentspec": partial(round_of_calls, call, n)}
+    sides.update({name: _engine_round(engine) for name, engine in engines.items()})
     call(2)  # warm-up
-    rounds: list[dict[str, tuple[float, float]]] = []
     try:
-        vllm.ready()
-        for r in range(args.repeats_calls):
-            order = list(sides) if r % 2 else list(sides)[::-1]
-            rounds.append({side: sides[side](r) for side in order})
-    except VllmFailed as exc:  # its log, and agentspec's steps alone
-        failed = {"status": "error", "log_tail": str(exc)[-3000:], **vllm.close()}
-        return {"agentspec_plain": step_from_calls(call, n, args.repeats_calls), "vllm": failed}
+        for engine in engines.values():
+            engine.ready()
+        rounds = [_round(sides, r) for r in range(args.repeats_calls)]
+    except VllmFailed as exc:  # the engines' logs, and agentspec's steps alone
+        tail = str(exc)[-3000:]
+        failed = {k: {"status": "error", "log_tail": tail, **e.close()} for k, e in engines.items()}
+        return {"agentspec_plain": step_from_calls(call, n, args.repeats_calls), **failed}
+    out = {name: steps_of(rounds, name, n) for name in sides}
+    per_round = [{"first": next(iter(x)), **_ratios({k: steps_of([x], k, n)["step_ms"] for k in x})}
+                 for x in rounds]  # fmt: skip
+    result = {"agentspec_plain": out["agentspec"], "rounds": per_round}
+    for name, engine in engines.items():
+        result[name] = {"status": "ok", **engine.close(), **out[name]}
+        result[_ratio_key(name) + "_median"] = statistics.median(x[_ratio_key(name)] for x in per_round)
+    return result
 
-    def steps(side: str, of: list[dict]) -> dict[str, Any]:
-        return step_summary([x[side][0] for x in of], [x[side][1] for x in of], n)
 
-    per_round = []
-    for x in rounds:
-        a, b = (steps(side, [x])["step_ms"] for side in ("agentspec", "vllm"))
-        per_round.append({"first": next(iter(x)), "agentspec_step_ms": a, "vllm_step_ms": b, "ratio": a / b})
-    return {
-        "agentspec_plain": steps("agentspec", rounds),
-        "vllm": {"status": "ok", **vllm.close(), **steps("vllm", rounds)},
-        "rounds": per_round,
-        "ratio_median": statistics.median(x["ratio"] for x in per_round),
-    }
+def vllm_sides(args) -> list[str]:
+    """The vLLM engines a run times beside agentspec: vLLM as it starts by default (its model
+    compiled), and with ``--vllm-eager`` also ``--enforce-eager``."""
+    return ["vllm", "vllm_eager"] if args.vllm_eager else ["vllm"]
+
+
+def _engine_round(engine: PacedVllm) -> Callable[[int], tuple[float, float]]:
+    return lambda r: engine.round()
+
+
+def _round(sides: dict[str, Callable[[int], tuple[float, float]]], r: int) -> dict[str, tuple[float, float]]:
+    """One round of every side, in an order turned by ``r``: each side goes first in turn (the last
+    one in round 0: with agentspec and vLLM alone, vLLM first in even rounds, as before)."""
+    names = list(sides)
+    at = (len(names) - 1 - r) % len(names)
+    return {name: sides[name](r) for name in names[at:] + names[:at]}
+
+
+def steps_of(rounds: list[dict[str, tuple[float, float]]], side: str, n: int) -> dict[str, Any]:
+    return step_summary([x[side][0] for x in rounds], [x[side][1] for x in rounds], n)
+
+
+def _ratio_key(engine: str) -> str:
+    """The per-round key: "ratio" for agentspec's step over vLLM's, "ratio_eager" over the eager vLLM's."""
+    return "ratio" + engine.removeprefix("vllm")
+
+
+def _ratios(step_ms: dict[str, float]) -> dict[str, float]:
+    """A round's step of each side, and agentspec's over each vLLM's."""
+    a = step_ms["agentspec"]
+    out = {f"{k}_step_ms": v for k, v in step_ms.items()}
+    return {**out, **{_ratio_key(k): a / v for k, v in step_ms.items() if k != "agentspec"}}
 
 
 def variants(dtype: str) -> dict[str, Any]:
@@ -414,6 +446,8 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
             "agentspec_plain_over_vllm": r["agentspec_plain"]["step_ms"] / vllm if vllm else None,
             "pass_1_over_vllm": one / vllm if vllm else None,
             "agentspec_plain_over_vllm_rounds_median": r.get("ratio_median"),
+            # over vLLM without its start-up compile (--vllm-eager): what the compile buys vLLM
+            "agentspec_plain_over_vllm_eager_rounds_median": r.get("ratio_eager_median"),
             "fraction_of_bound": r["target"]["fraction_of_bound"],
             "linears_alone_fraction_of_bound": r["target"]["linears_alone_fraction_of_bound"],
             # vLLM's step read the same weights: its fraction of the same bound
@@ -446,12 +480,15 @@ def table(result: dict[str, Any]) -> None:
                           for k in lin["library"])  # fmt: skip
         print(f"  pass ms, {' / '.join(ways)}: {cells}")
         steps = {"generate()": r["hf_generate"], "agentspec plain": r["agentspec_plain"],
-                 "vLLM": r.get("vllm", {})}  # fmt: skip
+                 "vLLM": r.get("vllm", {}), "vLLM eager": r.get("vllm_eager", {})}  # fmt: skip
         cells = "  ".join(f"{n} {s['step_ms']:.1f}" for n, s in steps.items() if "step_ms" in s)
         print(f"  decode step ms: {cells}; draft step {r['draft'].get('median_ms', float('nan')):.1f}")
         if "rounds" in r:
             ratios = ", ".join(f"{x['ratio']:.3f}" for x in r["rounds"])
             print(f"  agentspec plain step / vLLM's, by round: {ratios}; median {r['ratio_median']:.3f}")
+        if "ratio_eager_median" in r:
+            ratios = ", ".join(f"{x['ratio_eager']:.3f}" for x in r["rounds"])
+            print(f"  ... / vLLM's eager (--enforce-eager): {ratios}; median {r['ratio_eager_median']:.3f}")
         if t["linears_alone_ms"] is not None:
             alone = t["linears_alone_ms"]
             print(f"  linears alone {alone:.1f} ms: fraction {t['linears_alone_fraction_of_bound']:.2f}")
@@ -465,6 +502,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cache-len", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=15, help="rounds of timed passes")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--vllm-eager", action="store_true", help="also vLLM without its start-up compile")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of whole calls (steps)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: few repeats, 21 new tokens")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "pass.json")
     args = ap.parse_args(argv)
@@ -472,7 +511,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.rows = [int(k) for k in args.rows.split(",")]
     if args.quick:
         args.repeats = min(args.repeats, 2)
-    args.repeats_calls = 1 if args.quick else 5  # rounds of whole calls (decode-step baselines)
+    args.repeats_calls = 1 if args.quick else args.rounds  # rounds of whole calls (decode-step baselines)
     args.new_tokens = 21 if args.quick else 101
     args.profile_passes = 2 if args.quick else 5
     args.bandwidth_repeats = 2 if args.quick else 7

@@ -15,7 +15,8 @@ on a CPU, ``VLLM_CPU_OMP_THREADS_BIND`` in the environment (the caller sets it).
 With ``--paced``, the rounds are the caller's: after the warm-up it prints ``READY``, then runs one
 round for each ``round`` line on its standard input, printing ``ROUND {"long": s, "short": s}``, until
 ``quit`` (or the input's end); so ``bench_pass`` times vLLM's rounds between agentspec's, and the
-machine's drift over minutes hits both alike.
+machine's drift over minutes hits both alike. ``--enforce-eager`` skips vLLM's start-up compile
+(``torch.compile`` of the model): its eager model, what the compile buys measured beside it.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--memory-utilization", type=float, default=0.25)
     ap.add_argument("--paced", action="store_true", help="rounds on request, on standard input")
+    ap.add_argument("--enforce-eager", action="store_true", help="no start-up compile: vLLM's eager model")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     import torch
@@ -98,7 +100,7 @@ def main() -> None:
     ids = json.loads(args.prompt_ids.read_text())
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               gpu_memory_utilization=args.memory_utilization, enable_prefix_caching=False,
-              seed=0)  # fmt: skip
+              enforce_eager=args.enforce_eager, seed=0)  # fmt: skip
     result = {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
@@ -107,6 +109,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "paced": args.paced,
+        "enforce_eager": args.enforce_eager,
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         "frontend_torch_threads": torch.get_num_threads(),
