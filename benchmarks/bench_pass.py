@@ -201,7 +201,11 @@ def draft_step(dtype: str, args, read_gb_s: float) -> dict[str, Any]:
 
 
 class VllmFailed(RuntimeError):
-    """``vllm_step.py --paced`` ended or went silent before answering."""
+    """``vllm_step.py --paced`` ended or went silent before answering (``engine``: which one)."""
+
+    def __init__(self, engine: PacedVllm, message: str):
+        super().__init__(message)
+        self.engine = engine
 
 
 class PacedVllm:
@@ -242,7 +246,7 @@ class PacedVllm:
         except queue.Empty:
             line = None
         if line is None:
-            raise VllmFailed("vllm_step.py gave no answer:\n" + "".join(self.log)[-3000:])
+            raise VllmFailed(self, "vllm_step.py gave no answer:\n" + "".join(self.log)[-3000:])
         return line
 
     def ready(self) -> None:
@@ -295,9 +299,15 @@ def steps_side_by_side(pair, ids: list[int], dtype: str, args) -> dict[str, Any]
         for engine in engines.values():
             engine.ready()
         rounds = [_round(sides, r) for r in range(args.repeats_calls)]
-    except VllmFailed as exc:  # the engines' logs, and agentspec's steps alone
-        tail = str(exc)[-3000:]
-        failed = {k: {"status": "error", "log_tail": tail, **e.close()} for k, e in engines.items()}
+    except VllmFailed as exc:  # the failed engine's log, and agentspec's steps alone
+        failed = {}
+        for k, e in engines.items():
+            failed[k] = (
+                {"status": "error", "log_tail": str(exc)[-3000:]}
+                if e is exc.engine
+                else {"status": "not timed: another engine failed"}
+            )
+            failed[k].update(e.close())
         return {"agentspec_plain": step_from_calls(call, n, args.repeats_calls), **failed}
     out = {name: steps_of(rounds, name, n) for name in sides}
     per_round = [{"first": next(iter(x)), **_ratios({k: steps_of([x], k, n)["step_ms"] for k in x})}
