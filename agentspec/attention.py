@@ -24,7 +24,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from agentspec.kv import INVARIANT_ROWS, KEY_BLOCK, in_pass, round_up
+from agentspec.kv import KEY_BLOCK, round_up
+from agentspec.linears import INVARIANT_ROWS
 
 NAME = "agentspec_sdpa"
 
@@ -54,8 +55,6 @@ def grouped_sdpa_forward(
     pack = kwargs.pop("agentspec_pack", None)
     if pack is not None:
         return pack.attend(module, query, dropout, scaling, **kwargs)
-    if query.shape[2] > 1 and attention_mask is not None and row_by_row(query):
-        return _row_by_row(module, query, key, value, dropout, scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     if _folds(query, attention_mask, groups, kwargs):
         return _folded(query, key, value, attention_mask, groups, dropout, scaling), None
@@ -108,29 +107,30 @@ def _folded(query, key, value, mask, groups: int, dropout, scaling) -> torch.Ten
 
 def invariant_rows(device: torch.device, dtype: torch.dtype) -> int | None:
     """The most rows an agentspec pass on ``device`` in ``dtype`` computes each exactly as a one-row
-    pass would (``row_by_row``): a verify pass's (the last verified token and the drafts), as many as
-    its linears keep row-invariant (``kv.INVARIANT_ROWS``); a prefill, chunked or not, keeps one call
+    pass would (``rows_apart``): a verify pass's (the last verified token and the drafts), as many as
+    its linears keep row-invariant (``linears.INVARIANT_ROWS``); a prefill, chunked or not, keeps one call
     (a row's call costs ~30 us a layer). None where no pass is held to that (float32, GPUs: below)."""
     return INVARIANT_ROWS if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else None
 
 
-def row_by_row(query: torch.Tensor) -> bool:
-    """Whether a pass's query rows attend one by one, each as a one-row pass would: in agentspec's own
-    verify-sized passes (``kv.pass_rows``: one sequence, a causal mask after its cache; at most
-    ``invariant_rows`` rows) on a CPU in a dtype coarser than float32. There the attention kernel for
+def rows_apart(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
+    """Whether a solo pass of ``rows`` rows (after a cache, under a causal mask) attends its rows one
+    by one (``row_by_row``), each as a one-row pass would: a verify-sized pass (at most
+    ``invariant_rows``) on a CPU in a dtype coarser than float32. There the attention kernel for
     several rows sums in another order than the one-row kernel, and bfloat16 rounding turns that
-    into other logits; with the prepacked linears (``kv.PackedWeight``), which compute each row as a
-    one-row pass does (checked on this CPU when packed), a verify pass's rows are then bit-identical
+    into other logits; with the prepacked linears (``linears.PackedWeight``), which compute each row as
+    a one-row pass does (checked on this CPU when packed), a verify pass's rows are then bit-identical
     to one-row steps, so speculative decoding in bfloat16 is token-identical to plain decoding. The
     cost: one small attention call per row and layer (a 5-row pass 9% slower, a 17-row one 37%,
-    measured side by side). Elsewhere
-    the rounding it would hide is float32's (token-identical in the tests) or a GPU's, whose linears
-    are not row-invariant either (bfloat16 divergences are reported with their logit margins)."""
-    limit = invariant_rows(query.device, query.dtype)
-    return limit is not None and query.shape[0] == 1 and query.shape[2] <= limit and in_pass()
+    measured side by side); ``lean`` attends blocked instead where this CPU's kernel allows
+    (``blocked_fits``). Elsewhere the rounding it would hide is float32's (token-identical in the
+    tests) or a GPU's, whose linears are not row-invariant either (bfloat16 divergences are reported
+    with their logit margins)."""
+    limit = invariant_rows(device, dtype)
+    return limit is not None and 1 < rows <= limit
 
 
-def _row_by_row(module, query, key, value, dropout, scaling, **kwargs):
+def row_by_row(module, query, key, value, dropout=0.0, scaling=None, **kwargs):
     """Causal attention of each query row over the keys up to its own position, as a one-row pass
     attends (no mask: the row sees every key it is given)."""
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -155,7 +155,7 @@ def _row_by_row(module, query, key, value, dropout, scaling, **kwargs):
 # SDPA's CPU kernel sums a row in an order set by its key count's last block (keys split into blocks
 # of ``kv.KEY_BLOCK``) and by how many query rows its call holds (on this AMD EPYC a call of 3 rows, a
 # one-row step's folded groups, sums otherwise than one of 4 or more). So a pass's call of several
-# rows is not its rows' one-row bits, and ``_row_by_row`` calls the kernel once per row: 17 calls a
+# rows is not its rows' one-row bits, and ``row_by_row`` calls the kernel once per row: 17 calls a
 # layer, each reading every cached key (the largest share of a bfloat16 agent conversation's pass
 # time at issue 29's fifth stop, docs/benchmarks.md).
 # ``blocked_attention`` gives every call one shape instead, one-row steps and verify passes alike:
@@ -163,7 +163,7 @@ def _row_by_row(module, query, key, value, dropout, scaling, **kwargs):
 # the length, masked), the folded rows padded to a multiple of ``ROW_PAD``, and each row's causal
 # end in the mask. A masked key's weight is exactly 0 and adds exactly nothing, so a row's sums are
 # the same whichever call holds it. ``blocked_fits`` checks that on the CPU at hand, once per model,
-# and ``_row_by_row`` stays where it does not hold. (``bench_pass`` times the two: its "row by row"
+# and ``row_by_row`` stays where it does not hold. (``bench_pass`` times the two: its "row by row"
 # variant, results/pass_blocked.json.)
 ROW_PAD = 4
 

@@ -69,6 +69,7 @@ class CostOwner(Protocol):
     """What ``calibrate`` and the helpers below read of a pair (``agentspec.models.ModelPair``)."""
 
     target: Any  # the target model
+    target_forward: Any  # what its passes call (agentspec.forward.Forward)
     lock: Any  # the pair's lock: calibration times passes no other call shares
     cost: PairCost
 
@@ -438,9 +439,9 @@ def calibrate(pair: CostOwner, sizes: tuple[int, ...] = CALIBRATION_SIZES) -> Co
     prefill: list[tuple[int, float]] = []
     states: list[ModelState] = []
     with pair.lock:
-        _timed_pass(ModelState(pair.target), ids[:4])  # first-pass costs (allocation, kernels)
+        _timed_pass(ModelState(pair.target_forward), ids[:4])  # first-pass costs (allocation, kernels)
         for n in sizes:
-            states.append(ModelState(pair.target))
+            states.append(ModelState(pair.target_forward))
             prefill.append((n, _timed_pass(states[-1], ids[:n])))
         times: list[list[float]] = [[] for _ in sizes]
         for j in range(DECODE_PASSES):

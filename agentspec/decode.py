@@ -279,7 +279,7 @@ def _deadline(config: GenerationConfig) -> float | None:
 def _begin(pair, ids: list[int], config, drafter, target, grammar, free_memory, deadline) -> _Call:
     """A call's state after ``ids`` (checked prompt ids); ``target`` is synced to what it covers of them."""
     start = time.perf_counter()
-    target = target if target is not None else ModelState(pair.target)
+    target = target if target is not None else ModelState(pair.target_forward)
     if isinstance(grammar, Constraint) or grammar is None:
         constraint = grammar
     else:
@@ -701,13 +701,15 @@ def _ready(
 def _restore(pair: ModelPair, cache, ids: list[int], d: Drafter | None, namespace: str | None) -> ModelState:
     """The target's state for ``ids`` from the prefix cache, and the drafter's, which it adopts."""
     draft = d.kv_state() if d is not None else None
-    models = {"target": pair.target} if draft is None else {"target": pair.target, "draft": draft.model}
+    forwards = {"target": pair.target_forward}
+    if draft is not None:
+        forwards["draft"] = draft.model_forward
     states = {}
     with cache_oom_frees_cache(cache, "restoring from"):  # then prefill in full
-        states = cache.restore(pair, ids, models, namespace)
+        states = cache.restore(pair, ids, forwards, namespace)
     if "draft" in states:
         d.adopt_kv_state(states["draft"])
-    return states.get("target") or ModelState(pair.target)
+    return states.get("target") or ModelState(pair.target_forward)
 
 
 def _save(
@@ -757,6 +759,9 @@ class _Member:
                 self._put(_CANCELLED)
             return False
         return not self.closed and self.delivered - self.taken < LOOKAHEAD
+
+    def draft_state(self) -> ModelState | None:
+        return self.call.drafter.kv_state() if self.call.drafter is not None else None
 
     def share(self, chunk: int | None, cap: int | None) -> _Pass:
         self._at = len(self.call.target.ids)  # where a pass that fails before its landing rolls back to
@@ -870,7 +875,9 @@ def stream(
             )
         ids = check_prompt(pair, prompt_ids)
         d, resting = _ready(pair.tenants, namespace, d, key)
-        target = _restore(pair, cache, ids, d, namespace) if cache is not None else ModelState(pair.target)
+        target = (
+            _restore(pair, cache, ids, d, namespace) if cache is not None else ModelState(pair.target_forward)
+        )
         free = cache.clear if cache is not None else None
         call = _begin(pair, ids, config, d, target, grammar, free, deadline)
         call.stats.draft_cooldown = resting

@@ -2,11 +2,11 @@
 
 Why our own: transformers' eager forward of one decode step is thousands of small ops and module
 calls (mask building, per-layer kwargs, separate q/k/v and gate/up products, an 8-op RMSNorm), which
-on a small model or a GPU cost as much as the weights' reads (issue 29's profile: a 45 ms float32
-step after 400 tokens on this CPU spent ~11 ms in Python outside ops and ~8 ms in ~7,000 small ops,
-against 26 ms of linears). vLLM and gpt-fast run model code of their own for the same reason; this
+on a small model or a GPU cost as much as the weights' reads (profiled: a 45 ms float32 step after
+400 tokens on a 2-core CPU spent ~11 ms in Python outside ops and ~8 ms in ~7,000 small ops, against
+26 ms of linears). vLLM and gpt-fast run model code of their own for the same reason; this
 is that for the two families the library's pairs use, on agentspec's KV layout (``kv.GrowingLayer``),
-the packed pass (``agentspec.packed``) and the pass linears (``kv.PassLinears``):
+the packed pass (``agentspec.packed``) and the pass linears (``linears.PassLinears``):
 
 - q, k and v are one linear, and gate and up another (``_fuse``: the model's parameters become views
   of the fused weight, so no weight is held twice);
@@ -18,26 +18,23 @@ the packed pass (``agentspec.packed``) and the pass linears (``kv.PassLinears``)
   (``attention.blocked_attention``, where ``blocked_fits`` holds on this CPU; else row by row);
   otherwise through ``agentspec_sdpa``'s function with the mask a solo pass would have (one row:
   grouped heads; several: query groups folded into rows over a causal mask);
-- the final norm only through the model's own module (an EAGLE head's hook reads it), the LM head
-  only over the rows a caller keeps.
+- the features a caller asks for (``agentspec.forward``: a layer's input, the final norm's output)
+  taken as the pass computes them, the LM head only over the rows a caller keeps.
 
-It runs only inside agentspec's passes (``kv.pass_rows``) over a ``DynamicCache`` of plain layers or
-a ``PackedPass``; every other call of the model (``generate()``, a compiled step, a user's own) is
-transformers' forward, unchanged. The lossless tests hold it to transformers' ``generate()``:
-float32 token-identical, bfloat16 identical but for near-ties.
+The pair calls it for its own passes (``kv.ModelState.forward_now``, ``packed.forward_packed``) over
+a cache of ``kv.GrowingLayer``s or a ``PackedPass``; every other call of the model (``generate()``,
+a compiled step, a user's own) is transformers' forward, which nothing here changes. The lossless
+tests hold it to transformers' ``generate()``: float32 token-identical, bfloat16 identical but for
+near-ties.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from agentspec.attention import NAME as GROUPED_SDPA
 from agentspec.attention import (
@@ -46,9 +43,13 @@ from agentspec.attention import (
     blocked_mask,
     grouped_sdpa_forward,
     invariant_rows,
+    row_by_row,
+    rows_apart,
 )
-from agentspec.kv import GrowingLayer, in_pass, through_forward
-from agentspec.packed import PackedPass, causal_mask
+from agentspec.forward import PassOut, feature_index
+from agentspec.kv import GrowingLayer
+from agentspec.linears import plain
+from agentspec.packed import causal_mask
 
 # The model classes whose decoder layers this forward reproduces: pre-norm RMSNorm, rotary q/k, SiLU
 # gated MLP, optional q/k/v bias (Qwen2); a family with anything more (q/k norms, sliding windows,
@@ -127,7 +128,7 @@ class _Layer:
         self.replaced = [q, k, v, gate, up]  # computed by the fused linears in a pass
         self.qkv, self.gate_up = _fuse([q, k, v]), _fuse([gate, up])
         self.o_proj, self.down_proj = o, down
-        self.bind(through_forward)  # what a pass computes for each of the four (``LeanForward.bind``)
+        self.bind(plain)  # what a pass computes for each of the four (``LeanForward.bind``)
         self.intermediate = gate.out_features
         first, second = layer.input_layernorm, layer.post_attention_layernorm
         self.norm1, self.eps1 = first.weight, first.variance_epsilon
@@ -163,17 +164,19 @@ class _Layer:
 
 
 class LeanForward:
-    """The lean forward of one model (see the module doc), installed as its instance ``forward``.
+    """The lean forward of one model (see the module doc): an ``agentspec.forward.Forward`` the pair
+    owns and its passes call.
 
-    ``install`` fuses the weights and puts ``forward`` in front of the model's own: inside an
-    agentspec pass over a cache it can feed, the lean forward; every other call, transformers'.
-    ``fused`` are the fused linears (``kv.PassLinears`` gives them their pass paths) and ``replaced``
-    the model's linears they stand for in passes (never called in one: PassLinears skips them).
+    Built, it fuses the weights (the model's q/k/v and gate/up parameters become views of the fused
+    ones: same values, no copy) and computes every linear with ``F.linear``; ``bind`` gives each the
+    product the pair's ``linears.PassLinears`` chose (``linears()`` lists what it computes). The
+    model's own forward and modules are untouched.
     """
+
+    packs = True  # it runs packed passes (``pack=``)
 
     def __init__(self, model: Any):
         self.model = model
-        self.original = model.forward  # the bound transformers forward
         decoder = model.model
         config = model.config
         self.embed = decoder.embed_tokens
@@ -190,67 +193,54 @@ class LeanForward:
         self.layers = [_Layer(layer, i, doubled) for i, layer in enumerate(decoder.layers)]
         # the passes of at most this many rows attend blocked (``attention.blocked_attention``), each
         # row with a one-row step's bits, where a pass's rows are held to those and this CPU's kernel
-        # keeps them (``blocked_fits``, checked once here); None: through ``agentspec_sdpa``
+        # keeps them (``blocked_fits``, checked once here); None: row by row or through agentspec_sdpa
         limit = invariant_rows(weight.device, weight.dtype)
         fits = limit is not None and blocked_fits(self.kv_heads, self.groups, self.head_dim, weight.dtype)
         self.blocked_rows = limit if fits else None
-        self.fused = [m for layer in self.layers for m in (layer.qkv, layer.gate_up)]
-        self.replaced = [m for layer in self.layers for m in layer.replaced]
-        self.lm_head_product = through_forward(self.lm_head)
+        self.lm_head_product = plain(self.lm_head)
 
     def bind(self, product: Callable[[torch.nn.Linear], Callable[[torch.Tensor], torch.Tensor]]) -> None:
         """Compute each linear (the fused ones, o, down, the LM head) in passes as ``product(linear)``:
-        ``through_forward`` until the pair's ``kv.PassLinears`` has given them their paths, then its
-        ``product``, which calls a packed weight's kernel directly (this forward only runs inside a
-        pass, so the per-call choice of a linear's forward is settled once here; bench_pass's
-        "through forward" variant times the difference)."""
+        the pair's ``linears.PassLinears.product``, settled once here (bench_pass's variants bind
+        others)."""
         for layer in self.layers:
             layer.bind(product)
         self.lm_head_product = product(self.lm_head)
 
     def linears(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.nn.Linear]]:
         """Each linear a pass computes, in a pass's order (each layer's qkv, o, gate_up and down, then
-        the LM head), with what computes it (``bind``): for timing them on their own
-        (``agentspec.bench.passes.linears_alone``)."""
+        the LM head), with what computes it (``bind``): what the pair's ``PassLinears`` decides for,
+        and what ``agentspec.bench.passes.linears_alone`` times."""
         return [*(x for layer in self.layers for x in layer.linears()), (self.lm_head_product, self.lm_head)]
 
-    @classmethod
-    def install(cls, model: Any) -> LeanForward:
-        lean = cls(model)
-        model.forward = partial(_dispatch, lean)
-        return lean
-
-    def feeds(self, cache: Any) -> bool:
-        """Whether ``cache`` is one the lean forward writes: a packed pass's, or a DynamicCache of
-        plain layers (a static, sliding or quantized one keeps transformers' forward)."""
-        if isinstance(cache, PackedPass):
-            return True
-        return type(cache) is DynamicCache and all(
-            type(x) in (DynamicLayer, GrowingLayer) for x in cache.layers
-        )
-
-    def __call__(self, input_ids, cache, logits_to_keep, position_ids=None, agentspec_pack=None):
-        """Logits of the kept rows [1, R, V] after feeding ``input_ids`` [1, T] (see the module doc)."""
-        if agentspec_pack is not None:
-            pack = agentspec_pack
+    def __call__(self, ids, keep, *, cache=None, pack=None, positions=None, features: Sequence[int] = ()):
+        """The logits of the kept rows [R, V] after feeding ``ids`` [1, T], and the ``features`` asked
+        for (``agentspec.forward``'s numbering), [T, H] each."""
+        if pack is not None:
             spans = [
                 self._span(state.cache, *span, mask)
                 for state, span, mask in zip(pack.states, pack.spans, pack.masks)
             ]
+            positions = pack.positions
         else:
-            held, n = cache.get_seq_length(), input_ids.shape[1]
-            spans = [
-                self._span(cache, 0, n, causal_mask(held, n, input_ids.device, self.lm_head.weight.dtype))
-            ]
-            if position_ids is None:  # a solo pass's rows follow its cache
-                position_ids = torch.arange(held, held + n, device=input_ids.device)[None]
-        x = self.embed(input_ids)
-        rope = self.rope(x, position_ids)
+            held, n = cache.get_seq_length(), ids.shape[1]
+            weight = self.lm_head.weight
+            spans = [self._span(cache, 0, n, causal_mask(held, n, ids.device, weight.dtype))]
+            if positions is None:  # a solo pass's rows follow its cache
+                positions = torch.arange(held, held + n, device=ids.device)[None]
+        wanted: dict[int, torch.Tensor | None] = {feature_index(self.model, f): None for f in features}
+        x = self.embed(ids)
+        rope = self.rope(x, positions)
         for layer in self.layers:
+            if layer.index in wanted:
+                wanted[layer.index] = x[0]
             x = self._layer(layer, x, rope, spans)
-        x = self.final_norm(x)  # the module: an EAGLE head's hook reads its output
-        rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return self.lm_head_product(x[:, rows])
+        x = self.final_norm(x)
+        if len(self.layers) in wanted:
+            wanted[len(self.layers)] = x[0]
+        rows = slice(-keep, None) if isinstance(keep, int) else keep
+        found = tuple(wanted[feature_index(self.model, f)] for f in features)
+        return PassOut(self.lm_head_product(x[0, rows]), found)
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``_rotate``'s cosine and signed sine [1, T, 1, D] (broadcast over heads) at ``position_ids``:
@@ -261,15 +251,18 @@ class LeanForward:
         return cos.unsqueeze(2), sin.unsqueeze(2)
 
     def _span(self, cache: Any, a: int, b: int, mask: torch.Tensor | None) -> tuple:
-        """(cache, a, b, mask, blocked) for the pass's rows a:b over ``cache``: blocked, with its own
-        mask, where ``blocked_rows`` allows and every layer holds whole key blocks (``GrowingLayer``)."""
+        """(cache, a, b, mask, way) for the pass's rows a:b over ``cache``, ``way`` how they attend:
+        ``BLOCKED`` with its own mask where ``blocked_rows`` allows and every layer holds whole key
+        blocks (``GrowingLayer``), ``ROWS`` one by one where a verify-sized pass is held to one-row
+        bits otherwise (``attention.rows_apart``), else ``FOLDED`` (``agentspec_sdpa``)."""
         held, n = cache.get_seq_length(), b - a
-        if self.blocked_rows is None or n > self.blocked_rows:
-            return cache, a, b, mask, False
-        if not cache.layers or not all(type(x) is GrowingLayer for x in cache.layers):  # none yet: lazy
-            return cache, a, b, mask, False
         weight = self.lm_head.weight
-        return cache, a, b, blocked_mask(held, n, self.groups, weight.device, weight.dtype), True
+        apart = mask is not None and rows_apart(weight.device, weight.dtype, n)
+        if self.blocked_rows is None or n > self.blocked_rows:
+            return cache, a, b, mask, ROWS if apart else FOLDED
+        if not cache.layers or not all(type(x) is GrowingLayer for x in cache.layers):  # none yet: lazy
+            return cache, a, b, mask, ROWS if apart else FOLDED
+        return cache, a, b, blocked_mask(held, n, self.groups, weight.device, weight.dtype), BLOCKED
 
     def _layer(self, layer: _Layer, x: torch.Tensor, rope, spans) -> torch.Tensor:
         batch, t, _ = x.shape
@@ -282,22 +275,27 @@ class LeanForward:
         q = qk[:, :, : self.heads].transpose(1, 2)  # [1, Hq, T, D]
         k = qk[:, :, self.heads :].transpose(1, 2)  # [1, Hkv, T, D]
         v = qkv[..., q_dim + kv_dim :].view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        outs = []
-        for cache, a, b, mask, blocked in spans:
-            keys, values = cache.update(k[:, :, a:b], v[:, :, a:b], layer.index)
-            if blocked:
-                keys, values = cache.layers[layer.index].blocks()
-                out = blocked_attention(q[:, :, a:b], keys, values, mask, self.groups, self.scaling)
-            else:
-                out, _ = grouped_sdpa_forward(
-                    layer.attn, q[:, :, a:b], keys, values, mask, scaling=self.scaling
-                )
-            outs.append(out)  # [1, n, Hq, D]
+        outs = [self._attend(layer, q, k, v, span) for span in spans]  # [1, n, Hq, D] each
         attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         x = x + layer.o_product(attn.reshape(batch, t, q_dim))
         h = rms_norm(x, layer.norm2, layer.eps2, layer.doubled2)
         gate, up = layer.gate_up_product(h).split(layer.intermediate, dim=-1)
         return x + layer.down_product(F.silu(gate) * up)
+
+    def _attend(self, layer: _Layer, q, k, v, span: tuple) -> torch.Tensor:
+        """One sequence's rows a:b written to its cache and attended over it, the span's way."""
+        cache, a, b, mask, way = span
+        keys, values = cache.update(k[:, :, a:b], v[:, :, a:b], layer.index)
+        if way == BLOCKED:
+            keys, values = cache.layers[layer.index].blocks()
+            return blocked_attention(q[:, :, a:b], keys, values, mask, self.groups, self.scaling)
+        if way == ROWS:
+            return row_by_row(layer.attn, q[:, :, a:b], keys, values, scaling=self.scaling)[0]
+        return grouped_sdpa_forward(layer.attn, q[:, :, a:b], keys, values, mask, scaling=self.scaling)[0]
+
+
+# How a span's rows attend (``LeanForward._span``)
+BLOCKED, ROWS, FOLDED = "blocked", "rows", "folded"
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -306,25 +304,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     are the same bits."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
-
-
-# The keyword arguments agentspec's passes give the model (``kv.ModelState.forward_now``,
-# ``packed.forward_packed``): a call with any other goes to transformers
-_PASS_ARGS = frozenset(
-    {"input_ids", "cache", "use_cache", "logits_to_keep", "position_ids", "attention_mask", "agentspec_pack"}
-)
-
-
-def _dispatch(lean: LeanForward, *args, **kwargs):
-    """The model's forward: the lean one in an agentspec pass over a cache it feeds, else transformers'."""
-    cache = kwargs.get("cache")
-    pack = kwargs.get("agentspec_pack")
-    mask = kwargs.get("attention_mask")
-    if args or not in_pass() or not kwargs.keys() <= _PASS_ARGS or not lean.feeds(cache):
-        return lean.original(*args, **kwargs)
-    if pack is None and mask is not None:  # a solo pass with a mask of its own (padding): transformers'
-        return lean.original(*args, **kwargs)
-    logits = lean(
-        kwargs["input_ids"], cache, kwargs.get("logits_to_keep", 0), kwargs.get("position_ids"), pack
-    )
-    return CausalLMOutputWithPast(logits=logits)

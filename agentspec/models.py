@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,14 +29,15 @@ from typing import Any
 import torch
 
 from agentspec import warm
-from agentspec.attention import invariant_rows, use_grouped_sdpa
+from agentspec.attention import NAME, invariant_rows, use_grouped_sdpa
 from agentspec.cost import PairCost
 from agentspec.drafters.eagle import is_eagle
 from agentspec.drafters.tenants import TenantStore
+from agentspec.forward import Forward, PlainForward
 from agentspec.grammar import GrammarCompiler
-from agentspec.kv import PassLinears
 from agentspec.lean import LeanForward
 from agentspec.lean import supported as lean_supported
+from agentspec.linears import PassLinears
 from agentspec.scheduler import PREFILL_CHUNK, PREFILL_CHUNKS, Scheduler
 from agentspec.static_kv import StaticState
 from agentspec.threads import release_pool
@@ -220,12 +222,12 @@ class ModelPair:
     """A loaded target, an optional draft model of the same tokenizer, and that tokenizer.
 
     ``key`` names everything that changes the KV state (model sources, dtype, device); the prefix
-    cache namespaces its entries by it. Building a pair gives its CPU linears the pass paths of
-    ``agentspec.kv.PassLinears`` (prepacked; float32 weight-first past the copies' memory share), which
-    outside agentspec's own passes are ``F.linear``: a model passed in gives its other callers
-    (``generate()``) the same numbers. A Llama or Qwen2 model gets ``agentspec.lean``'s forward for those
-    passes, its q/k/v and gate/up weights fused (its own parameters become views of them), transformers'
-    forward elsewhere.
+    cache namespaces its entries by it. The pair's passes call a forward it owns per model
+    (``target_forward``, ``draft_forward``): for a Llama or Qwen2 model ``agentspec.lean``'s, its q/k/v
+    and gate/up weights fused (the model's own parameters become views of them) and its CPU linears
+    computed as ``agentspec.linears.PassLinears`` chose (prepacked; float32 weight-first past the
+    copies' memory share); for any other, transformers' own forward. The models' own forwards and
+    modules are left as they are: ``generate()`` and a user's calls get transformers' numbers.
     """
 
     target: Any
@@ -257,12 +259,16 @@ class ModelPair:
     scheduler: Scheduler = field(init=False, repr=False, compare=False)
 
     # built with the pair, not passed in:
-    # the CPU linears of target and draft that compute agentspec's passes another way (weight-first,
-    # prepacked), found once here (agentspec.kv.PassLinears)
+    # what the pair's passes over the target and the draft model call (agentspec.forward): the lean
+    # forward where the family has one (agentspec.lean), else transformers' own; None without a draft
+    # model (an EAGLE head drafts through its own module)
+    target_forward: Forward = field(init=False, repr=False, compare=False)
+    draft_forward: Forward | None = field(init=False, repr=False, compare=False)
+    # what scores an EAGLE head's outputs: the pass product of the LM head it shares with the target
+    # (packed where the target's lean forward packs it); None without a head
+    draft_scores: Callable[[torch.Tensor], torch.Tensor] | None = field(init=False, repr=False, compare=False)
+    # how the lean forwards compute their CPU linears (prepacked, weight-first), found once here
     pass_linears: PassLinears = field(init=False, repr=False, compare=False)
-    # the lean forwards of target and draft, where their family has one (agentspec.lean): what
-    # agentspec's passes run instead of transformers' forward
-    lean: list[LeanForward] = field(init=False, repr=False, compare=False)
     # the tokenizer's grammar compiler, built on first use (``grammar_compiler``)
     _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False, compare=False)
     # the draft model's StaticState for a static draft cache (``draft_state``), built on first use
@@ -272,13 +278,15 @@ class ModelPair:
     )
 
     def __post_init__(self) -> None:
-        models = [m for m in (self.target, self.draft) if m is not None]
-        self.lean = [LeanForward.install(m) for m in models if self.lean_forward and lean_supported(m)]
-        fused = torch.nn.ModuleList(linear for lean in self.lean for linear in lean.fused)
-        replaced = [linear for lean in self.lean for linear in lean.replaced]
-        self.pass_linears = PassLinears(*models, fused, skip=replaced)
-        for lean in self.lean:
-            lean.bind(self.pass_linears.product)
+        self.target_forward = self._forward(self.target)
+        draft = self.draft if self.draft is not None and not is_eagle(self.draft) else None
+        self.draft_forward = self._forward(draft) if draft is not None else None
+        lean = [f for f in (self.target_forward, self.draft_forward) if isinstance(f, LeanForward)]
+        self.pass_linears = PassLinears(linear for f in lean for _, linear in f.linears())
+        for f in lean:
+            f.bind(self.pass_linears.product)
+        head = self.draft.head if self.draft is not None and is_eagle(self.draft) else None
+        self.draft_scores = self.pass_linears.product(head) if type(head) is torch.nn.Linear else head
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)
@@ -292,6 +300,15 @@ class ModelPair:
         if self.draft_cache not in DRAFT_CACHES:
             raise ValueError(f"draft_cache: expected one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         release_pool()  # the packing's pool: the passes run in the scheduler's thread (agentspec.threads)
+
+    def _forward(self, model: Any) -> Forward:
+        """What the pair's passes over ``model`` call: its lean forward where the family has one, else
+        transformers' (packed passes where ``load_pair`` switched it to ``agentspec_sdpa``)."""
+        if model is None:  # a placeholder pair, without weights yet
+            return PlainForward(model)
+        if self.lean_forward and lean_supported(model):
+            return LeanForward(model)
+        return PlainForward(model, packs=getattr(model.config, "_attn_implementation", None) == NAME)
 
     def draft_state(self):
         """The draft model's state for a call: None for a dynamic cache (each drafter makes its own
@@ -314,9 +331,11 @@ class ModelPair:
     @property
     def invariant_rows(self) -> int | None:
         """The most rows a pass of the target computes each as a one-row pass does, where passes are
-        held to that (``attention.invariant_rows``, with every linear row-invariant on this CPU:
-        ``kv.PassLinears.row_invariant``); None: not held (the lossless tests bound them)."""
-        return invariant_rows(self.device, self.dtype) if self.pass_linears.row_invariant else None
+        held to that (``attention.invariant_rows``: the target's lean forward, every linear of it
+        row-invariant on this CPU, ``linears.PassLinears.row_invariant``); None: not held (the
+        lossless tests bound them)."""
+        held = isinstance(self.target_forward, LeanForward) and self.pass_linears.row_invariant
+        return invariant_rows(self.device, self.dtype) if held else None
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -10,7 +10,7 @@ attention of that sequence's queries over its own keys, with the mask a solo pas
 
 Batch invariance: attention per sequence is exactly a solo pass's (same kernel, same shapes). The
 linears are row-wise, but their kernels may pick another summation order for another row count
-(``agentspec.kv.PassLinears`` below 65 rows, the BLAS kernel's blocking above): a sequence's logits in
+(``agentspec.linears.PassLinears`` below 65 rows, the BLAS kernel's blocking above): a sequence's logits in
 a packed pass can differ from its solo pass's in the last bits, as a verify pass's differ from a
 one-token step's. The lossless tests compare tokens and report the logit margin where they differ.
 
@@ -25,23 +25,20 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from agentspec.attention import NAME, grouped_sdpa_forward, invariant_rows
-from agentspec.kv import ModelState, PassIds, final_hidden, pass_rows
+from agentspec.attention import grouped_sdpa_forward, invariant_rows
+from agentspec.forward import NORMED
+from agentspec.kv import ModelState, PassIds
 
 
 def packable(state: ModelState) -> bool:
-    """A state whose model's attention runs through ``agentspec_sdpa`` and whose cache keeps plain
-    keys and values per layer (``ModelState.reusable``): the packed pass can feed it."""
-    config = state.model.config
-    return getattr(config, "_attn_implementation", None) == NAME and (
-        not state.cache.layers or state.reusable
-    )
+    """A state whose forward runs packed passes (``Forward.packs``) and whose cache keeps plain keys
+    and values per layer (``ModelState.reusable``): the packed pass can feed it."""
+    return state.model_forward.packs and (not state.cache.layers or state.reusable)
 
 
 class PackedPass:
@@ -56,6 +53,10 @@ class PackedPass:
         dtype: torch.dtype,
     ):
         self.states = states
+        # each row's position in its own sequence [1, T]
+        self.positions = torch.cat([torch.arange(h, h + n, device=device) for h, n in zip(held, lengths)])[
+            None
+        ]
         self.spans: list[tuple[int, int]] = []
         at = 0
         for n in lengths:
@@ -111,41 +112,27 @@ def forward_packed(
     (logits, final-norm output of its new rows [n_i, H]); each state then covers its new ids as after
     ``ModelState.forward`` (device ids ``unread``). A failed pass rolls every state back to before it.
     """
-    model = states[0].model
-    device = model.device
+    forward = states[0].model_forward
+    device = forward.model.device
     lengths = [len(n) for n in news]
     held = [len(s.ids) + s.unread for s in states]
     ids = torch.cat([n.tensor(device) for n in news], dim=1)  # [1, T]
-    positions = torch.cat([torch.arange(h, h + n, device=device) for h, n in zip(held, lengths)])[None]
     ends = itertools.accumulate(lengths)
     rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, keeps)]).to(device)
-    pack = PackedPass(states, held, lengths, device, model.dtype)
+    pack = PackedPass(states, held, lengths, device, forward.model.dtype)
     try:
-        with ExitStack() as stack:
-            stack.enter_context(pass_rows(sum(lengths)))
-            captured = stack.enter_context(final_hidden(model)) if hidden else None
-            out = model(
-                input_ids=ids,
-                position_ids=positions,
-                # a 4-D mask is taken as it is by transformers' mask builders, which then build none;
-                # the packed pass masks each sequence itself (``PackedPass.attend``): never read
-                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
-                cache=pack,
-                use_cache=True,
-                logits_to_keep=rows,
-                agentspec_pack=pack,
-            )
+        out = forward(ids, rows, pack=pack, features=(NORMED,) if hidden else ())
     except BaseException:
         for state, h in zip(states, held):
             state._roll_back(h)
         raise
-    logits = out.logits[0]  # [sum(keeps), V]
+    logits = out.logits  # [sum(keeps), V]
     results, at = [], 0
     for state, new, keep, (a, b) in zip(states, news, keeps, pack.spans):
         state.advance(new)
         rows_i = logits[at : at + keep]
         at += keep
-        results.append((rows_i, captured[-1][0, a:b]) if captured is not None else rows_i)
+        results.append((rows_i, out.features[0][a:b]) if hidden else rows_i)
     return results
 
 
@@ -164,7 +151,7 @@ class Rendezvous:
     """The ``ModelState.forward`` calls of ``parties`` threads, run together (``agentspec.kv.Batcher``).
 
     A scheduler drafts for its calls in threads of their own, one per call, each inside
-    ``agentspec.kv.batching(rendezvous)``: a draft model's step waits until every thread still
+    ``ModelState.batcher`` set to the rendezvous: a draft model's step waits until every thread still
     drafting has asked for its own step (or finished), and then the calls on one model run as one
     packed forward, so a draft model takes one step per draft position for all the calls, not one
     per call. A thread leaves (``leave``) when its drafting is done. A packed forward that fails is
@@ -201,7 +188,7 @@ class Rendezvous:
         waiting, self._waiting = self._waiting, []
         by_model: dict[int, list[_Request]] = {}
         for r in waiting:
-            by_model.setdefault(id(r.state.model), []).append(r)
+            by_model.setdefault(id(r.state.model_forward), []).append(r)
         for group in by_model.values():
             _run(group)
         self._cond.notify_all()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentspec.cost import PairCost
-from agentspec.kv import ModelState, PassIds, batching
+from agentspec.kv import ModelState, PassIds
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
 from agentspec.packed import Read, Rendezvous, Verdict, forward_packed, packable, read_verdicts
 from agentspec.threads import release_pool
@@ -93,6 +93,11 @@ class Member(Protocol):
         """Positions the target's state holds for it (what its rows attend to)."""
         ...
 
+    def draft_state(self) -> ModelState | None:
+        """The state its drafter's model steps run on (None: none), which the scheduler lets meet other
+        members' steps while they draft (its ``batcher``)."""
+        ...
+
     def share(self, chunk: int | None, cap: int | None) -> Share:
         """Its share of the next pass; ``chunk``: the most uncached prompt tokens it may feed;
         ``cap``: the most drafter tokens (None: its own cap)."""
@@ -134,11 +139,16 @@ def _share(member: Member, chunk: int | None, cap: int | None) -> Share | Except
 
 
 def _drafted(meeting: Rendezvous, member: Member, chunk: int | None, cap: int | None) -> Share | Exception:
-    """``member``'s share, planned in a drafting thread whose draft-model steps meet the others'."""
+    """``member``'s share, planned in a drafting thread whose draft-model steps meet the others'
+    (through its draft state's ``batcher``)."""
+    state = member.draft_state()
     try:
-        with batching(meeting):
-            return _share(member, chunk, cap)
+        if state is not None:
+            state.batcher = meeting
+        return _share(member, chunk, cap)
     finally:
+        if state is not None:
+            state.batcher = None
         meeting.leave()
         release_pool()  # the pass that follows runs in the pass thread (agentspec.threads)
 

@@ -25,21 +25,12 @@ device on every pass.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-
 import torch
 from transformers import Cache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from agentspec.kv import (
-    KVState,
-    PassIds,
-    Segments,
-    cache_segments,
-    common_prefix_len,
-    final_hidden,
-    pass_rows,
-)
+from agentspec.forward import NORMED, PlainForward
+from agentspec.kv import KVState, PassIds, Segments, cache_segments, common_prefix_len
 
 MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many tokens
 
@@ -88,6 +79,8 @@ class StaticState:
 
     def __init__(self, model, capacity: int | None = None, compiled: bool = False, width: int = 1):
         self.model = model
+        # an eager pass: transformers' own forward over the static layers (the lean one feeds growing ones)
+        self.model_forward = PlainForward(model)
         context = model.config.get_text_config(decoder=True).max_position_embeddings
         self.capacity = capacity if capacity is not None else min(context, MAX_CAPACITY)
         if self.capacity < 1:
@@ -233,17 +226,14 @@ class StaticState:
         self.unread += n - len(new.host)
         self.check()
         if captured is not None:
-            return logits[-keep:], captured[-1][0, -n:]
+            return logits[-keep:], captured[-n:]
         return logits[-keep:]
 
     def _eager(self, x: torch.Tensor, positions: torch.Tensor, keep: int, hidden: bool):
-        with ExitStack() as stack:
-            stack.enter_context(pass_rows(x.shape[1]))
-            captured = stack.enter_context(final_hidden(self.model)) if hidden else None
-            out = self.model(
-                input_ids=x, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=keep
-            )
-        return out.logits[0], captured
+        """Logits [keep, V] and the final norm's output [n, H] where ``hidden`` (else None)."""
+        features = (NORMED,) if hidden else ()
+        out = self.model_forward(x, keep, cache=self.cache, positions=positions, features=features)
+        return out.logits, out.features[0] if hidden else None
 
     def _compiled_pass(self, x: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
         """The ``width``-token forward, compiled on first use for these fixed shapes; logits [n, V]."""

@@ -41,11 +41,11 @@ def warm_up(pair: Any) -> float:
     ids = _token_ids(pair.tokenizer, PREFILL_ROWS + sum(VERIFY_ROWS))
     eagle = pair.draft is not None and is_eagle(pair.draft)
     with torch.inference_mode():
-        hidden = _target_passes(pair.target, ids, eagle)
+        hidden = _target_passes(pair.target_forward, ids, eagle)
         if eagle:
-            _eagle_passes(pair.draft, ids, hidden)
+            _eagle_passes(pair.draft, pair.draft_scores, ids, hidden)
         elif pair.draft is not None:
-            _target_passes(pair.draft, ids, False)
+            _target_passes(pair.draft_forward, ids, False)
     threading.Thread(target=pair.grammar_compiler.prepare, name="agentspec-grammar").start()
     release_pool()  # calls pass in the scheduler's thread (agentspec.threads)
     return time.perf_counter() - start
@@ -58,10 +58,10 @@ def _token_ids(tokenizer: Any, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def _target_passes(model: Any, ids: list[int], hidden: bool) -> list[torch.Tensor]:
+def _target_passes(forward: Any, ids: list[int], hidden: bool) -> list[torch.Tensor]:
     """A prefill and each verify size through a fresh ``ModelState``; the final-norm features of
     every position (what an EAGLE head drafts from) where ``hidden``."""
-    state = ModelState(model)
+    state = ModelState(forward)
     feats: list[torch.Tensor] = []
     pos = 0
     for rows in (PREFILL_ROWS, *VERIFY_ROWS):
@@ -72,9 +72,9 @@ def _target_passes(model: Any, ids: list[int], hidden: bool) -> list[torch.Tenso
     return feats
 
 
-def _eagle_passes(head: Any, ids: list[int], feats: list[torch.Tensor]) -> None:
+def _eagle_passes(head: Any, scores: Any, ids: list[int], feats: list[torch.Tensor]) -> None:
     """An EAGLE head fed the target's features as a call feeds it, then a few draft steps."""
-    state = EagleState(head)
+    state = EagleState(head, scores)
     pos = 0
     for rows, hidden in zip((PREFILL_ROWS, *VERIFY_ROWS), feats, strict=True):
         state.observe(pos, hidden)

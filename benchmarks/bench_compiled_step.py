@@ -56,7 +56,7 @@ def child(dtype: str, mode: str, rounds: int) -> dict[str, Any]:
     inductor.emulate_precision_casts = True
     inductor.freezing = mode == "freezing"
     pair = agentspec.load_pair(dtype=dtype, warm_up=False)
-    lean = pair.lean[0]
+    lean = pair.target_forward
     heads, kv_heads, dim = lean.heads, lean.kv_heads, lean.head_dim
 
     def step(ids, positions, keys: list, values: list, held: int):
@@ -81,7 +81,7 @@ def child(dtype: str, mode: str, rounds: int) -> dict[str, Any]:
         return F.linear(lean.final_norm(x)[:, -1:], lean.lm_head.weight)
 
     model = pair.target
-    state, new = passes.random_state(model, CACHE_LEN, 1)
+    state, new = passes.random_state(pair.target_forward, CACHE_LEN, 1)
     shape = (1, kv_heads, CAPACITY, dim)
     keys = [torch.zeros(shape, dtype=model.dtype) for _ in lean.layers]
     values = [torch.zeros(shape, dtype=model.dtype) for _ in lean.layers]

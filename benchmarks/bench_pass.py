@@ -20,7 +20,7 @@ In one run, side by side:
    that no op accounts for (Python); the top ops too (``passes.profile_passes``).
    The target's passes as the library runs them (``agentspec.lean``'s forward; the weights
    prepacked for oneDNN: bfloat16 ones, and float32 ones of at least
-   ``kv.MIN_PACKED_FLOAT32_BYTES``) against transformers' forward, against plain ``F.linear``,
+   ``linears.MIN_PACKED_FLOAT32_BYTES``) against transformers' forward, against plain ``F.linear``,
    where its passes attend blocked, against attending row by row, and where its norms are layer
    norms, against ``torch.rms_norm``, and each linear through its forward instead of its packed
    kernel called directly (``variants``, ``linear_paths``), in blocks whose order turns each round.
@@ -64,12 +64,13 @@ from typing import Any
 import torch
 
 import agentspec
-from agentspec import kv
+from agentspec import linears
 from agentspec.bench import passes, roofline
 from agentspec.bench.run import environment
 from agentspec.bench.workloads import CODE, SEARCH, WEATHER
 from agentspec.drafters.eagle import is_eagle
 from agentspec.fleet.vllm import MAX_MODEL_LEN, MEMORY_UTILIZATION, VLLM_PYTHON, cpu_bind
+from agentspec.lean import LeanForward
 from agentspec.models import ensure_default_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,16 +156,16 @@ def target_passes(pair, args, reads: list[float]) -> dict[str, Any]:
     The bound reads the weights at the fastest read bandwidth the run measured (``reads``, GB/s; this
     phase adds one just before its passes and one just after): a shared machine's noise only slows a
     read, and a single measure here swung 2x within an hour (16.2 against 31.4 GB/s)."""
-    model = pair.target
+    model, forward = pair.target, pair.target_forward
     cpu = torch.device("cpu")
     reads.append(roofline.read_bandwidth(cpu, BANDWIDTH_MIB, args.bandwidth_repeats)["median_gb_s"])
-    times = passes.pass_times(model, args.cache_len, args.rows, args.repeats)
+    times = passes.pass_times(forward, args.cache_len, args.rows, args.repeats)
     reads.append(roofline.read_bandwidth(cpu, BANDWIDTH_MIB, args.bandwidth_repeats)["median_gb_s"])
     read_gb_s = max(reads)
     n_bytes = roofline.bytes_per_step(model)
     one = statistics.median(times[min(args.rows)])
-    lean = [x for x in pair.lean if x.model is model]
-    alone = statistics.median(passes.linears_alone(lean[0], args.repeats)) if lean else None
+    lean = isinstance(forward, LeanForward)
+    alone = statistics.median(passes.linears_alone(forward, args.repeats)) if lean else None
     return {
         "reads_gb_s": list(reads),
         "bound_read_gb_s": read_gb_s,
@@ -178,7 +179,7 @@ def target_passes(pair, args, reads: list[float]) -> dict[str, Any]:
         "linears_alone_ms": alone,
         "linears_alone_fraction_of_bound": n_bytes / alone / 1e6 / read_gb_s if alone else None,
         "profile": {
-            str(k): passes.profile_passes(model, args.cache_len, k, args.profile_passes) for k in args.rows
+            str(k): passes.profile_passes(forward, args.cache_len, k, args.profile_passes) for k in args.rows
         },
     }
 
@@ -194,7 +195,7 @@ def draft_step(dtype: str, args, read_gb_s: float) -> dict[str, Any]:
         times = roofline.eagle_step_ms(draft, args.cache_len, args.repeats)
     else:
         n_bytes = roofline.bytes_per_step(draft, pair.target)
-        times = passes.pass_times(draft, args.cache_len, [1], args.repeats)[1]
+        times = passes.pass_times(pair.draft_forward, args.cache_len, [1], args.repeats)[1]
     ms = statistics.median(times)
     return {"name": pair.draft_name, "eagle": is_eagle(draft), "bytes_per_step": n_bytes,
             **passes.summary(times), "fraction_of_bound": n_bytes / ms / 1e6 / read_gb_s}  # fmt: skip
@@ -355,39 +356,36 @@ def _ratios(step_ms: dict[str, float]) -> dict[str, float]:
 
 def variants(dtype: str) -> dict[str, Any]:
     """Loads of the target: as the library runs its passes ("library": ``agentspec.lean``'s forward,
-    ``kv.PassLinears``' linears, prepacked for oneDNN), with transformers' forward instead ("transformers
-    forward": ``lean_forward=False``), with no prepacked copies ("F.linear": in float32 the LM head
-    weight-first at 2..``kv.FEW_ROWS`` rows, as before float32 packed), and where the library's passes
-    attend blocked (``attention.blocked_attention``), attending row by row instead ("row by row": the path
-    where this CPU's kernel does not keep a row's bits in a blocked call). Each keeps its verify rows a
-    one-row step's bits, but its own step's: a blocked one-row call is another sum than a row's call
-    alone, so the logits of the two differ by bfloat16's rounding. Where the library's norms run as layer
-    norms (``lean.rms_norm``), "rms_norm" runs them through ``torch.rms_norm`` instead. In float32,
-    "packed from N MiB" packs only linears of twice ``kv.MIN_PACKED_FLOAT32_BYTES`` and more. "through
-    forward" computes each linear through its forward (``kv.through_forward``), which chooses its path
-    each call, instead of the packed kernel called directly (``kv.PassLinears.product``)."""
+    ``linears.PassLinears``' linears, prepacked for oneDNN), with transformers' forward instead
+    ("transformers forward": ``lean_forward=False``, its linears ``F.linear``), with no prepacked copies
+    ("F.linear": in float32 the LM head weight-first at 2..``linears.FEW_ROWS`` rows), and where the
+    library's passes attend blocked (``attention.blocked_attention``), attending row by row instead ("row
+    by row": the path where this CPU's kernel does not keep a row's bits in a blocked call). Each keeps
+    its verify rows a one-row step's bits, but its own step's: a blocked one-row call is another sum than
+    a row's call alone, so the logits of the two differ by bfloat16's rounding. Where the library's norms
+    run as layer norms (``lean.rms_norm``), "rms_norm" runs them through ``torch.rms_norm`` instead. In
+    float32, "packed from N MiB" packs only linears of twice ``linears.MIN_PACKED_FLOAT32_BYTES`` and
+    more."""
     load = partial(agentspec.load_pair, dtype=dtype, draft_model=False, warm_up=False)
     out = {"library": load(), "transformers forward": load(lean_forward=False)}
-    share, kv.PACKED_MEMORY_SHARE = kv.PACKED_MEMORY_SHARE, 0.0
+    share, linears.PACKED_MEMORY_SHARE = linears.PACKED_MEMORY_SHARE, 0.0
     try:
         out["F.linear"] = load()
     finally:
-        kv.PACKED_MEMORY_SHARE = share
-    out["through forward"] = load()
-    for lean in out["through forward"].lean:
-        lean.bind(kv.through_forward)
-    if out["library"].lean[0].blocked_rows is not None:
+        linears.PACKED_MEMORY_SHARE = share
+    if out["library"].target_forward.blocked_rows is not None:
         out["row by row"] = load()
-        out["row by row"].lean[0].blocked_rows = None
+        out["row by row"].target_forward.blocked_rows = None
     if dtype == "float32":  # where the float32 packing starts: its threshold doubled
-        least, kv.MIN_PACKED_FLOAT32_BYTES = kv.MIN_PACKED_FLOAT32_BYTES, 2 * kv.MIN_PACKED_FLOAT32_BYTES
+        least = linears.MIN_PACKED_FLOAT32_BYTES
+        linears.MIN_PACKED_FLOAT32_BYTES = 2 * least
         try:
-            out[f"packed from {kv.MIN_PACKED_FLOAT32_BYTES / 2**20:g} MiB"] = load()
+            out[f"packed from {linears.MIN_PACKED_FLOAT32_BYTES / 2**20:g} MiB"] = load()
         finally:
-            kv.MIN_PACKED_FLOAT32_BYTES = least
-    if out["library"].lean[0].layers[0].doubled1 is not None:
+            linears.MIN_PACKED_FLOAT32_BYTES = least
+    if out["library"].target_forward.layers[0].doubled1 is not None:
         out["rms_norm"] = load()
-        for layer in out["rms_norm"].lean[0].layers:
+        for layer in out["rms_norm"].target_forward.layers:
             layer.doubled1 = layer.doubled2 = None
     return out
 
@@ -398,7 +396,9 @@ def linear_paths(dtype: str, args) -> dict[str, Any]:
     interleaved one by one would each read the other's evictions from memory; each block's first
     passes (the cache filling) are dropped. And the largest logit difference from the library's."""
     pairs = variants(dtype)
-    states = {n: passes.random_state(p.target, args.cache_len, max(args.rows)) for n, p in pairs.items()}
+    states = {
+        n: passes.random_state(p.target_forward, args.cache_len, max(args.rows)) for n, p in pairs.items()
+    }
     times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in args.rows} for name in pairs}
     logits: dict[str, torch.Tensor] = {}
     with torch.inference_mode():

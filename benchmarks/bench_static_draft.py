@@ -59,8 +59,8 @@ def tiny_llama(device: torch.device) -> LlamaForCausalLM:
 def embedded_135m(device: torch.device):
     """The embedded 135M model as a draft (the embedded pair's own draft is an EAGLE head).
 
-    Loaded with transformers alone: a pair's ``PassLinears`` linears read a ContextVar, which
-    ``torch.compile`` cannot trace (a graph break per step), and a one-token step does not use them.
+    Loaded with transformers alone: the static and compiled states run transformers' forward (a pair's
+    lean forward feeds growing caches only).
     """
     model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
     use_grouped_sdpa(model)

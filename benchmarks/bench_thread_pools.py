@@ -86,7 +86,7 @@ def pools(state, new: list[int], rounds: int) -> dict[str, list[float]]:
 def plain_step(pair, rounds: int) -> dict[str, Any]:
     """agentspec's plain decoding step against a bare one-row pass in this thread, ms, round by round."""
     ids = prompt_ids(pair.tokenizer)
-    state, new = passes.random_state(pair.target, len(ids), 1)
+    state, new = passes.random_state(pair.target_forward, len(ids), 1)
 
     def call(m: int) -> float:
         t0 = time.perf_counter()
@@ -107,7 +107,7 @@ def plain_step(pair, rounds: int) -> dict[str, Any]:
 
 def run_dtype(dtype: str, rounds: int) -> dict[str, Any]:
     pair = agentspec.load_pair(dtype=dtype, warm_up=False)
-    state, new = passes.random_state(pair.target, CACHE_LEN, 1)
+    state, new = passes.random_state(pair.target_forward, CACHE_LEN, 1)
     result: dict[str, Any] = {"environment": environment(pair)}
     times = {**pools(state, new, rounds), **plain_step(pair, max(3, rounds // 2))}
     result["ways"] = {way: passes.summary(t) for way, t in times.items()}

@@ -6,26 +6,26 @@ Run from the repository root (about 5 minutes on 2 cores, 7 GB of memory):
 
 A verify pass feeds the target k new tokens (the last verified one and k - 1 drafted ones) and keeps a
 logits row for each. On a CPU, ``F.linear`` (``x @ W.T``) for a few rows against a large weight (the
-LM head) runs far slower than for one row; ``W @ x.T`` does not. ``agentspec.kv.PassLinears``
-computes passes of 2 to ``kv.FEW_ROWS`` rows the second way. Two measurements, each interleaving the
+LM head) runs far slower than for one row; ``W @ x.T`` does not. ``agentspec.linears.PassLinears``
+computes passes of 2 to ``linears.FEW_ROWS`` rows the second way. Two measurements, each interleaving the
 two ways round by round with a rotating order, so drift on a shared machine hits both alike:
 
 1. The LM head alone (the target's weights, random rows): median ms per k rows.
 2. A whole target pass over k new tokens after a 300-token cache (``ModelState.forward``, as the
-   decode loop calls it), with ``kv.FEW_ROWS`` set to 1 (off: every pass uses ``F.linear``) and to
+   decode loop calls it), with ``linears.FEW_ROWS`` set to 1 (off: every pass uses ``F.linear``) and to
    its default (on): median ms per k and the verify-cost curve V(k) = T(k) / T(1).
 3. The same for a model with Qwen2.5-7B's shapes but 2 of its 28 layers (random weights, about 6 GB):
    what a 7B target's passes gain, since no 7B model is on this machine; in float32, and in
-   bfloat16 with weight-first forced on (``kv.WEIGHT_FIRST_DTYPES``), which shows why it is off there.
+   bfloat16 with weight-first forced on (``linears.WEIGHT_FIRST_DTYPES``), which shows why it is off there.
 4. Single float32 linears of 0.25 to 16.6 MiB (projections of 135M to 7B models), both ways and
-   prepacked for oneDNN (``kv.PackedWeight``, as the library's float32 passes now run large ones):
-   where weight-first starts to pay, which set ``kv.MIN_WEIGHT_BYTES``, and where the packed copy
-   does, which sets ``kv.MIN_PACKED_FLOAT32_BYTES``. Each call takes the next of enough copies of
+   prepacked for oneDNN (``linears.PackedWeight``, as the library's float32 passes now run large ones):
+   where weight-first starts to pay, which set ``linears.MIN_WEIGHT_BYTES``, and where the packed copy
+   does, which sets ``linears.MIN_PACKED_FLOAT32_BYTES``. Each call takes the next of enough copies of
    the weight to fill ``COLD_BYTES``, so it reads its weight from memory as a pass does (one weight
    called again and again stays in the caches below about 32 MiB, and times another kernel's
    limit). The LM head alone (1.) is timed packed too.
 
-Parts 2 and 3 load their models with no prepacked copies (``kv.PACKED_MEMORY_SHARE`` 0): they
+Parts 2 and 3 load their models with no prepacked copies (``linears.PACKED_MEMORY_SHARE`` 0): they
 compare the two plain ways; ``benchmarks/bench_pass.py`` times the passes as the library runs them.
 
 Writes JSON (--out) and a PNG beside it.
@@ -49,14 +49,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_core.py
 import torch  # noqa: E402
 
 import agentspec  # noqa: E402
-from agentspec import kv  # noqa: E402
+from agentspec import linears  # noqa: E402
 from agentspec.bench.workloads import CODE, SEARCH, WEATHER  # noqa: E402
+from agentspec.kv import ModelState  # noqa: E402
+from agentspec.models import ModelPair  # noqa: E402
 from benchmarks.bench_core import environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64]
 LARGE_SIZES = [1, 2, 4, 8, 16]
-WAYS = {"F.linear": 1, "weight-first": kv.FEW_ROWS}  # the kv.FEW_ROWS each way runs with
+WAYS = {"F.linear": 1, "weight-first": linears.FEW_ROWS}  # the linears.FEW_ROWS each way runs with
 
 
 def interleaved(ways: list[str], sizes: list[int], repeats: int, once: Callable[[str, int], float]):
@@ -79,10 +81,10 @@ def head_alone(heads: list[torch.nn.Linear], sizes: list[int], repeats: int) -> 
     head = heads[0]
     gen = torch.Generator().manual_seed(0)
     rows = {k: torch.randn(k, head.in_features, generator=gen, dtype=head.weight.dtype) for k in sizes}
-    packed = [kv.PackedWeight(h.weight) for h in heads]
+    packed = [linears.PackedWeight(h.weight) for h in heads]
     ways = {
         "F.linear": lambda x, i: torch.nn.functional.linear(x, heads[i].weight, heads[i].bias),
-        "weight-first": lambda x, i: kv._weight_first(heads[i], x),
+        "weight-first": lambda x, i: linears._weight_first(heads[i], x),
         "packed": lambda x, i: packed[i](x, heads[i].bias),
     }
     calls = itertools.count()
@@ -97,15 +99,15 @@ def head_alone(heads: list[torch.nn.Linear], sizes: list[int], repeats: int) -> 
         return interleaved(list(ways), sizes, repeats, once)
 
 
-def whole_pass(model, ids: list[int], sizes: list[int], cache_len: int, repeats: int) -> dict[str, dict]:
+def whole_pass(forward, ids: list[int], sizes: list[int], cache_len: int, repeats: int) -> dict[str, dict]:
     """Median ms of a pass over k new tokens after ``cache_len`` cached ones, per way."""
     assert len(ids) >= cache_len + max(sizes), f"{len(ids)=} too short"
     prefix, new = ids[:cache_len], ids[cache_len : cache_len + max(sizes)]
-    state = kv.ModelState(model)
+    state = ModelState(forward)  # a pair's lean forward: its linears weight-first at 2..FEW_ROWS rows
     state.forward(prefix, keep=1)
 
     def once(way: str, k: int) -> float:
-        kv.FEW_ROWS = WAYS[way]
+        linears.FEW_ROWS = WAYS[way]
         t0 = time.perf_counter()
         state.forward(new[:k], keep=k)  # a verify pass keeps a logits row per new token
         dt = time.perf_counter() - t0
@@ -115,7 +117,7 @@ def whole_pass(model, ids: list[int], sizes: list[int], cache_len: int, repeats:
     try:
         return interleaved(list(WAYS), sizes, repeats, once)
     finally:
-        kv.FEW_ROWS = WAYS["weight-first"]
+        linears.FEW_ROWS = WAYS["weight-first"]
 
 
 LINEAR_SHAPES = [(256, 256), (128, 896), (320, 960), (576, 576), (1536, 576), (896, 896), (512, 3584),
@@ -183,16 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-large", action="store_true", help="skip the 7B-shaped model (part 3)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "verify_cost.json")
     args = ap.parse_args(argv)
-    kv.PACKED_MEMORY_SHARE = 0.0  # parts 2 and 3 compare the plain ways (see the module doc)
+    linears.PACKED_MEMORY_SHARE = 0.0  # parts 2 and 3 compare the plain ways (see the module doc)
     pair = agentspec.load_pair()
     head = pair.target.get_output_embeddings()
     result: dict[str, Any] = {"environment": environment(pair), "cache_tokens": args.cache_len,
-                              "few_rows": kv.FEW_ROWS, "repeats": args.repeats}  # fmt: skip
+                              "few_rows": linears.FEW_ROWS, "repeats": args.repeats}  # fmt: skip
     print("LM head alone ...", flush=True)
     result["head_ms"] = head_alone([head], SIZES, args.repeats)
     print("whole target passes ...", flush=True)
     ids = pair.tokenizer((WEATHER + CODE + SEARCH) * 4)["input_ids"]
-    result["pass_ms"] = whole_pass(pair.target, ids, SIZES, args.cache_len, args.repeats)
+    result["pass_ms"] = whole_pass(pair.target_forward, ids, SIZES, args.cache_len, args.repeats)
     print("single linears by size ...", flush=True)
     result["linears_by_size"] = linears_by_size([1, 2, 4, 8, 16], 3 * args.repeats)
     parts = ["head_ms", "pass_ms"]
@@ -202,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"7B-shaped passes, {name} ...", flush=True)
             dtype = getattr(torch, name)
             model = qwen7b_shaped(dtype)
-            default, kv.WEIGHT_FIRST_DTYPES = kv.WEIGHT_FIRST_DTYPES, {dtype}
+            default, linears.WEIGHT_FIRST_DTYPES = linears.WEIGHT_FIRST_DTYPES, {dtype}
             try:
-                kv.PassLinears(model)  # what building a pair does
-                result[f"large_{name}_ms"] = whole_pass(model, ids, LARGE_SIZES, args.cache_len, 5)
+                forward = ModelPair(target=model, tokenizer=None).target_forward  # what building a pair does
+                result[f"large_{name}_ms"] = whole_pass(forward, ids, LARGE_SIZES, args.cache_len, 5)
             finally:
-                kv.WEIGHT_FIRST_DTYPES = default
+                linears.WEIGHT_FIRST_DTYPES = default
             parts.append(f"large_{name}_ms")
             del model
     for part in parts:

@@ -21,9 +21,9 @@ cut or crashes still reports what it measured. Phases:
   top1 - top2 at that position: near-ties may flip there, the output is lossless in distribution).
 - syncs: host syncs per verify pass (``agentspec.bench.syncs.HostSyncs``; on CUDA also CUDA's count).
 - verify_cost: T(n)/T(1) of the 7B-shaped target and the 0.5B-shaped draft's step, eager.
-- profile: issue 29's profile on the same shapes: the target's pass over 1, 5 and 17 new rows and
-  the draft's one-token step (CUDA events), and where a pass's time goes (device time by op
-  category; "outside_ops": the time the device waits for launches), ``agentspec.bench.passes``.
+- profile: the profile on the same shapes: the target's pass over 1, 5 and 17 new rows and the
+  draft's one-token step (CUDA events), and where a pass's time goes (device time by op category;
+  "outside_ops": the time the device waits for launches), ``agentspec.bench.passes``.
 - end_to_end: tokens/s of ``generate()``, agentspec without drafts and with a replay drafter of
   acceptance 0.6 / 0.8 / 0.95 (``agentspec.bench.replay``); transformers assisted generation cannot
   take that drafter (see ``assisted_per_pass``), so its cost per pass is compared instead.
@@ -446,10 +446,11 @@ class Speed:
         return self._pair
 
 
-def step_ms(model, prefix: list[int], new: list[int], sizes, repeats: int) -> dict[int, float]:
+def step_ms(forward, prefix: list[int], new: list[int], sizes, repeats: int) -> dict[int, float]:
     """Median ms of one eager pass over k new tokens after ``prefix``, per k (rounds rotate the k;
     round 0 warms up and is dropped); the cache rolls back after each pass."""
-    state = ModelState(model)
+    state = ModelState(forward)
+    model = state.model
     state.forward(prefix, keep=1)
     times: dict[int, list[float]] = {k: [] for k in sizes}
     for r in range(repeats + 1):
@@ -467,8 +468,8 @@ def step_ms(model, prefix: list[int], new: list[int], sizes, repeats: int) -> di
 def phase_verify_cost(speed: Speed) -> dict[str, Any]:
     pair, p = speed.pair, speed.plan
     new = speed.ids[: max(VERIFY_SIZES)]
-    target = step_ms(pair.target, speed.ids, new, list(VERIFY_SIZES), p.repeats)
-    draft = step_ms(pair.draft, speed.ids, new, [1], p.repeats)[1]
+    target = step_ms(pair.target_forward, speed.ids, new, list(VERIFY_SIZES), p.repeats)
+    draft = step_ms(pair.draft_forward, speed.ids, new, [1], p.repeats)[1]
     c = draft / target[1]
     curve = {k: v / target[1] for k, v in target.items()}
     # the cost model's speed-up over plain decoding: E(a, k) / (V(k + 1) + k c)
@@ -494,10 +495,10 @@ def phase_profile(speed: Speed) -> dict[str, Any]:
     each one's profile."""
     pair, p = speed.pair, speed.plan
     cache_len = p.prompt_tokens
-    target = passes.pass_times(pair.target, cache_len, PROFILE_ROWS, p.repeats)
-    draft = passes.pass_times(pair.draft, cache_len, [1], p.repeats)[1]
+    target = passes.pass_times(pair.target_forward, cache_len, PROFILE_ROWS, p.repeats)
+    draft = passes.pass_times(pair.draft_forward, cache_len, [1], p.repeats)[1]
     profiles = {
-        str(k): passes.profile_passes(pair.target, cache_len, k, PROFILE_PASSES) for k in PROFILE_ROWS
+        str(k): passes.profile_passes(pair.target_forward, cache_len, k, PROFILE_PASSES) for k in PROFILE_ROWS
     }
     return {
         "cache_tokens": cache_len,
@@ -505,7 +506,7 @@ def phase_profile(speed: Speed) -> dict[str, Any]:
         "target": {str(k): passes.summary(v) for k, v in target.items()},
         "draft_step": passes.summary(draft),
         "target_profile": profiles,
-        "draft_profile": passes.profile_passes(pair.draft, cache_len, 1, PROFILE_PASSES),
+        "draft_profile": passes.profile_passes(pair.draft_forward, cache_len, 1, PROFILE_PASSES),
     }
 
 

@@ -32,14 +32,14 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentspec.cache import PrefixCache
-from agentspec.kv import cpu_has_bf16
+from agentspec.linears import cpu_has_bf16
 from agentspec.models import ModelPair, ensure_default_model
 
 VOCAB = 64  # vocabulary of the greedy-equivalence models
 MAX_POSITIONS = 128  # their context window (max_position_embeddings)
 
 # bfloat16 passes are held to one-row steps' bits only where the CPU has bf16 instructions: elsewhere
-# oneDNN emulates bfloat16 and nothing is prepacked (kv.PassLinears)
+# oneDNN emulates bfloat16 and nothing is prepacked (linears.PassLinears)
 needs_bf16 = pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bfloat16 instructions")
 
 

@@ -59,26 +59,26 @@ def timed_ms(fn: Callable[[], Any], device: torch.device) -> float:
     return start.elapsed_time(end)
 
 
-def random_state(model, cache_len: int, new_rows: int, seed: int = 0) -> tuple[ModelState, list[int]]:
-    """A ``ModelState`` of ``model`` holding ``cache_len`` random tokens, and ``new_rows`` random ids
-    to feed after them."""
+def random_state(forward, cache_len: int, new_rows: int, seed: int = 0) -> tuple[ModelState, list[int]]:
+    """A ``ModelState`` over ``forward`` (a pair's ``target_forward``; a bare model runs transformers'
+    forward) holding ``cache_len`` random tokens, and ``new_rows`` random ids to feed after them."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (cache_len + new_rows,), generator=gen).tolist()
-    state = ModelState(model)
+    state = ModelState(forward)
+    ids = torch.randint(0, state.model.config.vocab_size, (cache_len + new_rows,), generator=gen).tolist()
     with torch.inference_mode():
         state.forward(ids[:cache_len], keep=1)
     return state, ids[cache_len:]
 
 
-def pass_times(model, cache_len: int, rows: list[int], repeats: int) -> dict[int, list[float]]:
+def pass_times(forward, cache_len: int, rows: list[int], repeats: int) -> dict[int, list[float]]:
     """ms of each pass over k new rows after ``cache_len`` cached, per k: ``repeats`` rounds after one
     warm-up round (dropped), the k rotating from round to round, the cache rolled back after each."""
-    state, new = random_state(model, cache_len, max(rows))
+    state, new = random_state(forward, cache_len, max(rows))
     times: dict[int, list[float]] = {k: [] for k in rows}
     with torch.inference_mode():
         for r in range(repeats + 1):
             for k in rows[r % len(rows) :] + rows[: r % len(rows)]:
-                ms = timed_ms(lambda k=k: state.forward(new[:k], keep=k), model.device)
+                ms = timed_ms(lambda k=k: state.forward(new[:k], keep=k), state.model.device)
                 state.truncate(cache_len)
                 if r:
                     times[k].append(ms)
@@ -120,13 +120,13 @@ def _top_level(event) -> Iterator[Any]:
             yield from _top_level(child)
 
 
-def profile_passes(model, cache_len: int, k: int, count: int) -> dict[str, Any]:
+def profile_passes(forward, cache_len: int, k: int, count: int) -> dict[str, Any]:
     """Where the time of a pass over k new rows goes: ``count`` passes under ``torch.profiler``,
     the top-level ops' times (device time on a GPU) summed by ``category`` and by op, per pass."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    device = model.device
-    state, new = random_state(model, cache_len, k)
+    state, new = random_state(forward, cache_len, k)
+    device = state.model.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     walls = []
     with torch.inference_mode():

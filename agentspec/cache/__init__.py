@@ -19,6 +19,7 @@ from collections.abc import Hashable, Mapping
 import torch
 
 from agentspec.cache.radix import RadixCache, Tier
+from agentspec.forward import Forward
 from agentspec.kv import KVState, ModelState, Segments, common_prefix_len, growing_cache
 
 __all__ = ["PrefixCache", "RadixCache", "Tier", "default_budget", "default_host_budget"]
@@ -55,15 +56,15 @@ def _free_ram() -> int:
         return 4 << 30
 
 
-def _state(model, segments: Segments, ids: list[int]) -> ModelState:
+def _state(forward: Forward, segments: Segments, ids: list[int]) -> ModelState:
     """A ModelState that adopts the segments (the tree's tensors or one copy of them, see
     ``RadixCache._gather``) as its cache tensors: ``DynamicCache.update`` would concatenate them
     onto an empty tensor, a second full copy. A ``GrowingLayer`` never writes adopted tensors (its
     first update copies them into its own buffer, ``crop`` slices), so the tree's own are safe in it."""
-    cache = growing_cache(model.config)
+    cache = growing_cache(forward.model.config)
     for layer, (k, v) in zip(cache.layers, segments, strict=True):
         layer.adopt(k, v)
-    return ModelState(model, cache, ids)
+    return ModelState(forward, cache, ids)
 
 
 class PrefixCache:
@@ -108,22 +109,23 @@ class PrefixCache:
         return (pair.key, self.extra_key, namespace)
 
     def restore(
-        self, pair, ids: list[int], models: Mapping[str, object], namespace: str | None = None
+        self, pair, ids: list[int], forwards: Mapping[str, Forward], namespace: str | None = None
     ) -> dict[str, ModelState]:
-        """ModelStates for each model: the target's covers the longest cached prefix of ids[:-1],
-        each other model's the part of it that model has in the cache (see the module docstring).
+        """ModelStates for each model, named with the forward its passes call: the target's covers the
+        longest cached prefix of ids[:-1], each other model's the part of it that model has in the
+        cache (see the module docstring).
 
         Only entries saved under the same ``namespace`` are read (a tenant's, say; None: the
         default, shared one). The last prompt token is always left to feed: its logits give the
         first output token. Pass the target first.
         """
-        states = {name: ModelState(model) for name, model in models.items()}
+        states = {name: ModelState(forward) for name, forward in forwards.items()}
         if not all(s.reusable for s in states.values()):
             return states
-        found = self.tree.lookup_each(self.namespace(pair, namespace), ids[:-1], list(models))
+        found = self.tree.lookup_each(self.namespace(pair, namespace), ids[:-1], list(forwards))
         for name, (n, segs) in found.items():
             if n:
-                states[name] = _state(models[name], segs, ids[:n])
+                states[name] = _state(forwards[name], segs, ids[:n])
         return states
 
     def save(self, pair, states: Mapping[str, KVState], namespace: str | None = None) -> int:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from agentspec.distill.data import Example, atomic_save, shard_path
 from agentspec.distill.train import accepted_run, make_batches
-from agentspec.kv import final_hidden
+from agentspec.forward import NORMED, PlainForward
 
 FEATURE_NOISE = 0.1  # uniform noise on input features while training, in units of their std
 
@@ -36,9 +36,8 @@ def features_path(folder: Path, split: str, index: int) -> Path:
 @torch.inference_mode()
 def target_features(model, ids: torch.Tensor) -> torch.Tensor:
     """The target's final-norm output at every position of ``ids`` [L] -> [L, H] float16 on the CPU."""
-    with final_hidden(model) as captured:
-        model(input_ids=ids[None].to(model.device), logits_to_keep=1)
-    return captured[-1][0].to("cpu", torch.float16)
+    out = PlainForward(model)(ids[None].to(model.device), 1, features=(NORMED,))
+    return out.features[0].to("cpu", torch.float16)
 
 
 def attach_features(

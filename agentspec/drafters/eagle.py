@@ -27,10 +27,11 @@ model of tokens), and vLLM's and SGLang's are bound to their own model runners.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
-from agentspec.kv import PassIds, common_prefix_len, pass_rows, to_device
+from agentspec.kv import PassIds, common_prefix_len, to_device
 
 EAGLE_ARCHITECTURE = "eagle"
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
@@ -114,8 +115,11 @@ class EagleState:
     tokens) were fed the head's own output and are rolled back at the next ``sync``.
     """
 
-    def __init__(self, model: EagleHead):
+    def __init__(self, model: EagleHead, scores: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.model = model
+        # what turns the head's outputs [n, d] into logits: the pair's pass product of the target's LM
+        # head the head shares (``ModelPair.draft_scores``: packed where the target's is), else its own
+        self.scores = scores if scores is not None else model.head
         self.reset()
 
     def reset(self) -> None:
@@ -256,14 +260,14 @@ class EagleState:
         if not fed_last:  # the last token has no entry: nothing to predict from
             return torch.zeros((0, 1))
         hidden = torch.cat(outs)[-keep:]
-        return self.model.head(hidden)
+        return self.scores(hidden)
 
     def _draft_step(self, ids: torch.Tensor) -> torch.Tensor:
         """Feed drafted tokens still on the device [1] with the head's last output; their logits
         [1, V], or [0, V] with nothing to chain from. Their entries are ``unread``."""
         if self.last is None or len(self.ids) + self.unread == self.base:
             return torch.zeros((0, 1))
-        return self.model.head(self._feed(self.last[None], ids))[-1:]
+        return self.scores(self._feed(self.last[None], ids))[-1:]
 
     def _zero_row(self) -> torch.Tensor:
         return torch.zeros(
@@ -274,8 +278,7 @@ class EagleState:
         on_device = isinstance(ids, torch.Tensor)
         x = ids.reshape(1, -1) if on_device else to_device(ids, self.model.device)[None]
         try:
-            with pass_rows(x.shape[1]):  # an agentspec pass: its linears take their pass paths (PassLinears)
-                h = self.model.hidden(feats[None].to(self.model.device), x, cache=self.cache)[0]
+            h = self.model.hidden(feats[None].to(self.model.device), x, cache=self.cache)[0]
         except BaseException:
             self.reset()
             raise

@@ -21,6 +21,8 @@ draw (not the token), so the generator's calls (and a seeded output) are the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,7 @@ from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.eagle import EagleState, is_eagle
 from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
+from agentspec.forward import Forward
 from agentspec.grammar import Constraint, apply_bitmask
 from agentspec.kv import ModelState, PassIds, common_prefix_len
 from agentspec.sampling import probabilities
@@ -61,11 +64,16 @@ class ModelDrafter(Drafter):
         schedule: ConfidenceSchedule | None = None,
         name: str | None = None,
         state: StaticState | None = None,
+        forward: Forward | None = None,
+        scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         # an EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_hidden``
         self.uses_target_hidden = is_eagle(model)
-        if state is None:  # ``state``: a preallocated one to draft in (``ModelPair.draft_state``)
-            state = EagleState(model) if self.uses_target_hidden else ModelState(model)
+        # ``state``: a preallocated one to draft in (``ModelPair.draft_state``); ``forward``: what the
+        # draft model's passes call (``ModelPair.draft_forward``; None: transformers' own); ``scores``:
+        # what scores an EAGLE head's outputs (``ModelPair.draft_scores``; None: its own head)
+        if state is None:
+            state = EagleState(model, scores) if self.uses_target_hidden else ModelState(forward or model)
         self.state = state
         self.vocab_size = vocab_size  # the target's logits width
         self.schedule = schedule  # None: always draft k tokens

@@ -25,6 +25,8 @@ class DraftSource(Protocol):
 
     target: Any  # the target model (its vocabulary size)
     draft: Any  # the draft model, or None
+    draft_forward: Any  # what the draft model's passes call (agentspec.forward.Forward); None for a head
+    draft_scores: Any  # what scores an EAGLE head's outputs (its shared LM head's pass product), or None
     tenants: TenantStore  # the drafting memory of each namespace
 
     def draft_state(self) -> Any: ...  # the draft's static KV state, or None for a dynamic cache
@@ -42,7 +44,15 @@ def _needs_draft(pair: DraftSource, name: str) -> None:
 def _scheduled(pair: DraftSource, memory: DraftMemory) -> ModelDrafter:
     """The draft model under its confidence schedule, learning into ``memory``."""
     schedule = ConfidenceSchedule(memory.model_calibration, memory.cost)
-    return ModelDrafter(pair.draft, _vocab(pair), schedule, "model_scheduled", pair.draft_state())
+    return ModelDrafter(
+        pair.draft,
+        _vocab(pair),
+        schedule,
+        "model_scheduled",
+        pair.draft_state(),
+        forward=pair.draft_forward,
+        scores=pair.draft_scores,
+    )
 
 
 def _auto(pair: DraftSource, memory: DraftMemory) -> Drafter:
@@ -51,7 +61,13 @@ def _auto(pair: DraftSource, memory: DraftMemory) -> Drafter:
 
 def _model(pair: DraftSource, memory: DraftMemory) -> Drafter:
     _needs_draft(pair, "model")
-    return ModelDrafter(pair.draft, vocab_size=_vocab(pair), state=pair.draft_state())
+    return ModelDrafter(
+        pair.draft,
+        vocab_size=_vocab(pair),
+        state=pair.draft_state(),
+        forward=pair.draft_forward,
+        scores=pair.draft_scores,
+    )
 
 
 def _model_scheduled(pair: DraftSource, memory: DraftMemory) -> Drafter:

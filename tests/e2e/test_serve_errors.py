@@ -42,16 +42,18 @@ def _salt() -> str:
 
 
 def fail_at(monkeypatch, model, n: int) -> list[int]:
-    """Make ``model``'s ``n``-th forward from now (0-based) raise; returns the forwards seen."""
-    real, calls = model.forward, []
+    """Make ``model``'s ``n``-th forward from now (0-based) raise; returns the forwards seen. Set on
+    its embedding, which every forward of a pass (the lean one, transformers') calls once."""
+    embed = model.get_input_embeddings()
+    real, calls = embed.forward, []
 
-    def forward(*args, **kwargs):
+    def forward(ids):
         calls.append(1)
         if len(calls) - 1 == n:
             raise RuntimeError("the device went away (simulated)")
-        return real(*args, **kwargs)
+        return real(ids)
 
-    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(embed, "forward", forward)
     return calls
 
 
@@ -179,17 +181,19 @@ def _wait_for(condition, what: str) -> None:
 
 
 def hold_at(monkeypatch, model, n: int, reached: threading.Event, release: threading.Event) -> list[int]:
-    """Make ``model``'s ``n``-th forward from now (0-based) wait for ``release``, having set ``reached``."""
-    real, calls = model.forward, []
+    """Make ``model``'s ``n``-th forward from now (0-based) wait for ``release``, having set ``reached``
+    (at its embedding, as ``fail_at``)."""
+    embed = model.get_input_embeddings()
+    real, calls = embed.forward, []
 
-    def forward(*args, **kwargs):
+    def forward(ids):
         calls.append(1)
         if len(calls) - 1 == n:
             reached.set()
             release.wait(WAIT_S)
-        return real(*args, **kwargs)
+        return real(ids)
 
-    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(embed, "forward", forward)
     return calls
 
 

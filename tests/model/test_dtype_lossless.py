@@ -18,7 +18,7 @@ from conftest import needs_bf16
 from test_real_model import PROMPTS
 
 import agentspec
-from agentspec import kv
+from agentspec import linears
 from agentspec.bench.divergence import first_diff, logit_margin
 
 pytestmark = pytest.mark.model
@@ -105,9 +105,9 @@ def test_bfloat16_parts_from_generate_only_on_near_ties(bfloat16, float32, draft
 @pytest.mark.parametrize("drafter", ("auto", "model", "suffix"))
 def test_bfloat16_speculation_is_token_identical_to_plain_decoding(bfloat16, drafter):
     """In bfloat16 on a CPU a verify pass's rows are bit-identical to one-row steps (prepacked linears,
-    ``attention.row_by_row``), so every drafter's output is plain decoding's own, token for token."""
+    ``attention.rows_apart``), so every drafter's output is plain decoding's own, token for token."""
     pair, refs = bfloat16
-    assert pair.invariant_rows == kv.INVARIANT_ROWS, "every linear fitted (kv.PackedWeight.fit)"
+    assert pair.invariant_rows == linears.INVARIANT_ROWS, "every linear fitted (linears.PackedWeight.fit)"
     drafted = []
     for name, (ids, _) in refs.items():
         plain = agentspec.generate(pair, ids, max_new_tokens=MAX_NEW, speculative=False, prefix_cache=False)

@@ -479,7 +479,8 @@ def test_tracing_runs_no_model_pass(chat_pair, tiny_llama, otel):
     for kind, telemetry in (("untraced", no_sdk), ("traced", providers)):
         model = tiny_llama(5, vocab_size=len(chat_pair.tokenizer), max_positions=1024)
         seen: list[int] = []
-        model.register_forward_hook(lambda *_, seen=seen: seen.append(1))
+        # every target forward, lean or transformers', embeds its rows once
+        model.get_input_embeddings().register_forward_hook(lambda *_, seen=seen: seen.append(1))
         fresh = ModelPair(
             target=model, tokenizer=chat_pair.tokenizer, name="fresh", prefix_cache=PrefixCache(1 << 26)
         )

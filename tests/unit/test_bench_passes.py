@@ -46,11 +46,13 @@ def test_pass_times_times_every_row_count_each_round(target, one_thread):
 
 def test_linears_alone_runs_every_linear_of_a_pass_as_the_pass_does(tiny_llama, one_thread):
     model = tiny_llama(3)
-    lean = ModelPair(target=model, tokenizer=None).lean[0]
+    lean = ModelPair(target=model, tokenizer=None).target_forward
     chain = lean.linears()
     assert len(chain) == 4 * model.config.num_hidden_layers + 1 and chain[-1][1] is model.lm_head
     # with the model's linears the fused ones stand for, the chain's are all of the model's
-    ran = {id(linear) for _, linear in chain} - {id(m) for m in lean.fused} | {id(m) for m in lean.replaced}
+    fused = {id(m) for layer in lean.layers for m in (layer.qkv, layer.gate_up)}
+    replaced = {id(m) for layer in lean.layers for m in layer.replaced}
+    ran = {id(linear) for _, linear in chain} - fused | replaced
     assert ran == {id(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     for product, linear in chain:  # each computes its linear
         x = torch.randn(1, 1, linear.in_features)

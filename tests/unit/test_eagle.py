@@ -17,7 +17,6 @@ from agentspec.distill.eagle import collate_eagle, eagle_loss
 from agentspec.distill.student import build_eagle
 from agentspec.drafters import ModelDrafter
 from agentspec.drafters.eagle import EagleState, is_eagle
-from agentspec.kv import final_hidden
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,9 +43,8 @@ def epair(etarget, head, fake_tokenizer):
 
 
 def features(model, ids):
-    with torch.no_grad(), final_hidden(model) as captured:
-        model(input_ids=torch.tensor([ids]))
-    return captured[-1][0]
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
 
 
 def test_head_is_recognised_and_shares_the_targets_tensors(head, etarget):

@@ -103,15 +103,15 @@ def test_speculative_greedy_equals_generate(pair, cases, drafter, k):
 
 @pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
 def test_speculative_greedy_with_weight_first_linears_equals_generate(pair, cases, drafter, monkeypatch):
-    # on a CPU, verify passes of 2-64 rows compute large float32 linears as W @ x.T (kv.py); the
+    # on a CPU, verify passes of 2-64 rows compute large float32 linears as W @ x.T (linears.py); the
     # conftest models' weights are small, so every weight counts as large for a pair of copies
     # built here (the linears are chosen when a pair is built)
-    from agentspec import kv
+    from agentspec import linears
 
     calls = []
-    real = kv._weight_first
-    monkeypatch.setattr(kv, "MIN_WEIGHT_BYTES", 0)
-    monkeypatch.setattr(kv, "_weight_first", lambda m, x: calls.append(m) or real(m, x))
+    real = linears._weight_first
+    monkeypatch.setattr(linears, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(linears, "_weight_first", lambda m, x: calls.append(m) or real(m, x))
     target, draft = copy.deepcopy(pair.target), copy.deepcopy(pair.draft)
     pair = ModelPair(target=target, draft=draft, tokenizer=pair.tokenizer)
     histogram = run_all(pair, cases, drafter, 3)
@@ -120,12 +120,12 @@ def test_speculative_greedy_with_weight_first_linears_equals_generate(pair, case
 
 @pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
 def test_speculative_greedy_with_packed_float32_linears_equals_generate(pair, cases, drafter, monkeypatch):
-    # on a CPU, float32 linears of at least kv.MIN_PACKED_FLOAT32_BYTES run prepacked for oneDNN in
+    # on a CPU, float32 linears of at least linears.MIN_PACKED_FLOAT32_BYTES run prepacked for oneDNN in
     # every pass, one-row ones too: another kernel than generate()'s F.linear, another summation
     # order; the conftest models' weights are small, so every one packs for a pair of copies built here
-    from agentspec import kv
+    from agentspec import linears
 
-    monkeypatch.setattr(kv, "MIN_PACKED_FLOAT32_BYTES", 0)
+    monkeypatch.setattr(linears, "MIN_PACKED_FLOAT32_BYTES", 0)
     target, draft = copy.deepcopy(pair.target), copy.deepcopy(pair.draft)
     pair = ModelPair(target=target, draft=draft, tokenizer=pair.tokenizer)
     assert pair.pass_linears.packed_bytes and pair.dtype == torch.float32

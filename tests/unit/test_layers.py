@@ -36,6 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("agentspec.cache", "agentspec.static_kv"),
     (
         "agentspec.kv",
+        "agentspec.forward",
+        "agentspec.linears",
         "agentspec.packed",
         "agentspec.lean",
         "agentspec.attention",

@@ -1,22 +1,24 @@
 """``agentspec.lean``: the lean forward of agentspec's passes computes transformers' own numbers.
 
 Its passes (a prompt, one-row steps, verify passes over a cache, packed passes of several sequences,
-with the final-norm features an EAGLE head reads) give the logits transformers' forward gives for
-the same tokens; the model's other callers keep transformers' forward; a family it does not
-reproduce keeps transformers' forward everywhere.
+with the layer features a head reads) give the logits transformers' forward gives for the same
+tokens; the model itself is left as transformers built it (its forward, its modules' types, deepcopy,
+save_pretrained); a family it does not reproduce runs transformers' forward.
 """
 
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 from conftest import needs_bf16
-from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from agentspec import kv, lean
+from agentspec import lean, linears
 from agentspec.attention import use_grouped_sdpa
+from agentspec.forward import PlainForward
 from agentspec.kv import ModelState, PassIds
 from agentspec.models import ModelPair
 from agentspec.packed import forward_packed
@@ -42,13 +44,13 @@ def qwen2(seed: int, **overrides) -> Qwen2ForCausalLM:
 
 @pytest.fixture(params=["llama", "qwen2"])
 def models(request, tiny_llama):
-    """(the model the lean forward is installed on, an untouched copy for transformers' numbers, the
-    lean forward)."""
+    """(the model a pair's lean forward reads, an untouched copy for transformers' numbers, the lean
+    forward)."""
     model = tiny_llama(3, vocab_size=VOCAB) if request.param == "llama" else qwen2(3)
     untouched = copy.deepcopy(model)
     pair = ModelPair(target=model, tokenizer=None)
-    assert [x.model for x in pair.lean] == [model]
-    return model, untouched, pair.lean[0]
+    assert isinstance(pair.target_forward, lean.LeanForward) and pair.target_forward.model is model
+    return model, untouched, pair.target_forward
 
 
 def reference(model, ids: list[int]) -> torch.Tensor:
@@ -61,7 +63,7 @@ def test_its_passes_give_transformers_logits(models):
     model, untouched, lean_forward = models
     ids = [5, 17, 42, 8, 91, 3, 3, 60, 11, 29, 7, 2, 77]
     ref = reference(untouched, ids)
-    state = ModelState(model)
+    state = ModelState(lean_forward)
     got = [state.forward(ids[:6], 6), state.forward(ids[6:7], 1), state.forward(ids[7:12], 5)]
     state.truncate(9)  # a rejected draft rolled back, then the pass after it
     got += [state.forward(ids[9:13], 4)]
@@ -73,7 +75,7 @@ def test_its_passes_give_transformers_logits(models):
 def test_a_packed_pass_gives_each_sequence_its_own_logits(models):
     model, untouched, lean_forward = models
     seqs = [[5, 17, 42, 8, 91, 3], [60, 11], [29, 7, 2, 77, 1, 4, 4, 9]]
-    states = [ModelState(model) for _ in seqs]
+    states = [ModelState(lean_forward) for _ in seqs]
     states[0].forward(seqs[0][:3], 1)  # one sequence with a cache, the others from empty
     news = [PassIds(seqs[0][3:]), PassIds(seqs[1]), PassIds(seqs[2])]
     outs = forward_packed(states, news, [3, 1, 8])
@@ -84,14 +86,45 @@ def test_a_packed_pass_gives_each_sequence_its_own_logits(models):
 
 def test_the_final_norm_features_come_with_the_logits(models):
     """An EAGLE head drafts from the target's final-norm output: the lean pass hands it as
-    transformers' forward does (the final norm's forward hook)."""
+    transformers' forward does (``output_hidden_states``' last entry)."""
     model, untouched, lean_forward = models
     ids = [5, 17, 42, 8, 91, 3]
-    logits, hidden = ModelState(model).forward(ids, 2, hidden=True)
+    logits, hidden = ModelState(lean_forward).forward(ids, 2, hidden=True)
     with torch.inference_mode():
         out = untouched(torch.tensor([ids]), output_hidden_states=True)
     torch.testing.assert_close(hidden, out.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, out.logits[0, -2:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+def test_any_layers_features_come_from_the_same_pass(models, forward):
+    """The features of the layers asked for (transformers' ``output_hidden_states`` numbering: a
+    layer's input, the last the final norm's output, negative from the end) come with the logits of
+    one pass, solo and packed, through the lean forward and transformers' alike."""
+    model, untouched, lean_forward = models
+    run = lean_forward if forward == "lean" else PlainForward(untouched, packs=use_grouped_sdpa(untouched))
+    ids = [5, 17, 42, 8, 91, 3]
+    with torch.inference_mode():
+        ref = untouched(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        state = ModelState(run)
+        state.forward(ids[:2], 1)
+        out = run(torch.tensor([ids[2:]]), 1, cache=state.cache, features=(0, 1, 2, -1))
+    for got, index in zip(out.features, (0, 1, 2, -1), strict=True):
+        torch.testing.assert_close(got, ref[index][0, 2:], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="feature layer 3 out of range"):
+        run(torch.tensor([ids[:1]]), 1, cache=ModelState(run).cache, features=(3,))
+
+
+def test_the_model_is_left_as_transformers_built_it(models, tmp_path):
+    """After a pair is built on it: no module has a ``forward`` of its own or another type, and the
+    model deep-copies, saves and computes transformers' numbers."""
+    model, untouched, lean_forward = models
+    assert not [name for name, m in model.named_modules() if "forward" in vars(m)]
+    assert [type(m) for m in model.modules()] == [type(m) for m in untouched.modules()]
+    twin = copy.deepcopy(model)
+    x = torch.tensor([[3, 17, 42, 5, 9]])
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x).logits, untouched(x).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_other_callers_keep_transformers_forward(models):
@@ -106,7 +139,7 @@ def test_other_callers_keep_transformers_forward(models):
     for name, p in untouched.state_dict().items():
         assert torch.equal(model.state_dict()[name], p), name
     layer = model.model.layers[0]
-    fused = next(f for f in lean_forward.fused if f.out_features == 2 * layer.mlp.up_proj.out_features)
+    fused = lean_forward.layers[0].gate_up
     assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
@@ -116,14 +149,15 @@ def test_a_family_it_does_not_reproduce_keeps_transformers_forward(tiny_llama):
     gelu.config.hidden_act = "gelu"
     for model in (sliding, gelu):
         assert not lean.supported(model)
-        assert not ModelPair(target=model, tokenizer=None).lean and "forward" not in vars(model)
+        pair = ModelPair(target=model, tokenizer=None)
+        assert isinstance(pair.target_forward, PlainForward) and "forward" not in vars(model)
 
 
 def test_a_failed_pass_leaves_the_state_usable(models):
     """An error inside a layer (out of memory, a fault) rolls the cache back; the next pass is right."""
     model, untouched, lean_forward = models
     ids = [5, 17, 42, 8, 91, 3, 60]
-    state = ModelState(model)
+    state = ModelState(lean_forward)
     state.forward(ids[:4], 1)
     layer = lean_forward.layers[1]
     good = layer.gate_up_product
@@ -138,32 +172,23 @@ def test_a_failed_pass_leaves_the_state_usable(models):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_packed_linears_are_called_directly_with_their_forwards_bits(tiny_llama, monkeypatch, family):
     """Where a pass's linears are packed (float32, every weight here), the lean forward calls each one's
-    kernel directly (``kv.PassLinears.product``), with the bits its forward gives in a pass, at one row
-    and at several (the kernel folds the leading dimensions that ``PackedWeight`` flattens)."""
-    monkeypatch.setattr(kv, "MIN_PACKED_FLOAT32_BYTES", 0)
+    kernel directly (``linears.PassLinears.product``), with the bits ``PackedWeight``'s own call gives,
+    at one row and at several (the kernel folds the leading dimensions that ``PackedWeight`` flattens)."""
+    monkeypatch.setattr(linears, "MIN_PACKED_FLOAT32_BYTES", 0)
     model = tiny_llama(3, vocab_size=VOCAB) if family == "llama" else qwen2(3)
-    lean_forward = ModelPair(target=model, tokenizer=None).lean[0]
+    pair = ModelPair(target=model, tokenizer=None)
+    lean_forward = pair.target_forward
     layer = lean_forward.layers[0]
     products = [layer.qkv_product, layer.o_product, layer.gate_up_product, layer.down_product]
-    assert all(p.func is kv._packed_linear for p in [*products, lean_forward.lm_head_product])
+    assert all(p.func is linears._packed_linear for p in [*products, lean_forward.lm_head_product])
     ids = [5, 17, 42, 8, 91, 3, 60, 11]
-    state = ModelState(model)
+    state = ModelState(lean_forward)
     state.forward(ids[:3], 1)
     direct = [state.forward(ids[3:4], 1), state.forward(ids[4:], 4)]
     state.truncate(3)
-    lean_forward.bind(kv.through_forward)
+    lean_forward.bind(lambda linear: partial(pair.pass_linears.packed(linear), bias=linear.bias))
     through = [state.forward(ids[3:4], 1), state.forward(ids[4:], 4)]
     assert all(torch.equal(a, b) for a, b in zip(direct, through, strict=True))
-
-
-def test_passes_outside_its_cache_kinds_keep_transformers_forward(models):
-    """A cache the lean forward does not write (a static one) gets transformers' forward, in a pass too."""
-    model, untouched, lean_forward = models
-    cache = StaticCache(config=model.config, max_cache_len=16)
-    x = torch.tensor([[5, 17, 42]])
-    with torch.inference_mode(), kv.pass_rows(3):
-        got = model(input_ids=x, cache=cache, use_cache=True).logits[0]
-    torch.testing.assert_close(got, reference(untouched, [5, 17, 42]), rtol=1e-5, atol=1e-5)
 
 
 @needs_bf16
@@ -190,7 +215,7 @@ def test_a_bfloat16_prompt_pass_past_the_invariant_rows_carries_no_draft(tiny_ll
 def test_lean_forward_false_keeps_transformers_forward(tiny_llama):
     model = tiny_llama(0)
     pair = ModelPair(target=model, tokenizer=None, lean_forward=False)
-    assert not pair.lean and "forward" not in vars(model)
+    assert isinstance(pair.target_forward, PlainForward) and "forward" not in vars(model)
     q = model.model.layers[0].self_attn.q_proj
     assert q.weight.untyped_storage().nbytes() == q.weight.numel() * q.weight.element_size()  # not fused
 
@@ -214,17 +239,17 @@ def test_bfloat16_pass_rows_carry_one_row_steps_bits(tiny_llama, monkeypatch, bl
     if not blocked:
         monkeypatch.setattr(lean, "blocked_fits", lambda *shape: False)
     model = tiny_llama(4, vocab_size=VOCAB, hidden=64).to(torch.bfloat16)
-    lean_forward = ModelPair(target=model, tokenizer=None).lean[0]
+    lean_forward = ModelPair(target=model, tokenizer=None).target_forward
     if blocked and lean_forward.blocked_rows is None:
         pytest.skip("this CPU's SDPA sums a row otherwise in a call of more rows (attention.blocked_fits)")
-    assert lean_forward.blocked_rows == (kv.INVARIANT_ROWS if blocked else None)
+    assert lean_forward.blocked_rows == (linears.INVARIANT_ROWS if blocked else None)
     calls = []
     monkeypatch.setattr(lean, "blocked_attention", lambda *a: calls.append(a[0].shape[2]) or attend(*a))
     ids = [(7 * i) % 90 + 3 for i in range(520)]
     prompt, rows = ids[:508], ids[508:]  # rows 508..519: the key block ends at 512
 
     def from_prompt() -> ModelState:
-        state = ModelState(model)
+        state = ModelState(lean_forward)
         state.forward(prompt, 1)
         return state
 
@@ -232,7 +257,7 @@ def test_bfloat16_pass_rows_carry_one_row_steps_bits(tiny_llama, monkeypatch, bl
     expected = torch.cat([steps.forward([t], 1) for t in rows])
     torch.testing.assert_close(expected.float(), reference(model, ids)[508:].float(), rtol=0.1, atol=0.1)
     assert torch.equal(from_prompt().forward(rows, len(rows)), expected)
-    other = ModelState(model)
+    other = ModelState(lean_forward)
     other.forward(prompt[:40], 1)
     solo, packed = forward_packed([from_prompt(), other], [PassIds(rows), PassIds([5])], [len(rows), 1])
     assert torch.equal(solo, expected)
@@ -250,11 +275,12 @@ def test_bfloat16_packed_one_row_steps_are_solo_steps_bits_in_transformers_forwa
     step packed with others attends as its solo step does (folded in bfloat16 on a CPU): the same bits."""
     model = tiny_llama(4, vocab_size=VOCAB, hidden=64).to(torch.bfloat16)
     assert use_grouped_sdpa(model)  # as load_model switches it: what the packed pass feeds
-    ModelPair(target=model, tokenizer=None, lean_forward=False)
+    plain = ModelPair(target=model, tokenizer=None, lean_forward=False).target_forward
+    assert isinstance(plain, PlainForward) and plain.packs
     ids = [(7 * i) % 90 + 3 for i in range(30)]
 
     def from_prompt(n: int) -> ModelState:
-        state = ModelState(model)
+        state = ModelState(plain)
         state.forward(ids[:n], 1)
         return state
 

@@ -2,7 +2,7 @@
 prefix cache, and the reply is the one the call gives without the fault; a fault that persists ends
 in ``DeviceOutOfMemory`` after ``OOM_ATTEMPTS`` tries, and the next call is correct.
 
-The fault is injected in the target's ``forward`` (raising ``torch.OutOfMemoryError`` as CUDA's
+The fault is injected in the target's final norm (raising ``torch.OutOfMemoryError`` as CUDA's
 allocator does), at a chosen pass, so prefill and verify passes are both covered.
 """
 
@@ -29,17 +29,20 @@ def no_wait(monkeypatch):
 
 
 def faulty(monkeypatch, model, fail_at: set[int]):
-    """Make ``model.forward`` raise an OOM on the passes numbered in ``fail_at`` (0-based)."""
-    real = model.forward
+    """Make ``model``'s passes raise an OOM on the passes numbered in ``fail_at`` (0-based), at the
+    final norm, which every forward (the lean one, transformers') calls once a pass after its layers
+    have written their keys and values: a failed pass leaves them for the roll-back to undo."""
+    norm = model.model.norm
+    real = norm.forward
     calls = []
 
-    def forward(*args, **kwargs):
-        calls.append(kwargs["input_ids"].shape[1])
+    def forward(x):
+        calls.append(x.shape[1])
         if len(calls) - 1 in fail_at:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-        return real(*args, **kwargs)
+        return real(x)
 
-    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(norm, "forward", forward)
     return calls
 
 
@@ -141,7 +144,7 @@ def test_a_persistent_oom_raises_and_the_next_call_is_correct(monkeypatch, targe
     opts = dict(max_new_tokens=16, drafter="model")
     pair = _pair(target, draft, tokenizer, "tiny-oom-persistent")
     want = agentspec.generate(pair, PROMPT, **opts).token_ids
-    real = target.forward
+    real = target.model.norm.forward
     faulty(monkeypatch, target, set(range(2, 100)))
     clear, cleared = pair.prefix_cache.clear, []
     monkeypatch.setattr(pair.prefix_cache, "clear", lambda: (cleared.append(1), clear()))
@@ -150,7 +153,7 @@ def test_a_persistent_oom_raises_and_the_next_call_is_correct(monkeypatch, targe
     assert len(cleared) == memory.OOM_ATTEMPTS - 1  # freed before each retry
     # what the call verified before the failing pass was rolled back to, saved: a whole tree
     pair.prefix_cache.tree.check()
-    monkeypatch.setattr(target, "forward", real)
+    monkeypatch.setattr(target.model.norm, "forward", real)  # the fault gone
     assert pair.lock.acquire(blocking=False)
     pair.lock.release()
     assert agentspec.generate(pair, PROMPT, **opts).token_ids == want
