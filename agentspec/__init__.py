@@ -6,7 +6,7 @@ the LangChain chat model, is the distribution ``langchain-agentspec``:
 """
 
 from agentspec.config import GenerationConfig
-from agentspec.decode import DecodeTimeout, GenerationResult, Step, decode, generate, stream
+from agentspec.decode import DecodeTimeout, GenerationResult, Step, decode_steps, generate, stream
 from agentspec.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from agentspec.grammar import Constraint, Grammar, GrammarError
 from agentspec.memory import DeviceOutOfMemory
@@ -29,7 +29,7 @@ __all__ = [
     "PromptLookupDrafter",
     "Step",
     "TokenizerMismatchError",
-    "decode",
+    "decode_steps",
     "generate",
     "load_pair",
     "stream",

@@ -2,7 +2,7 @@
 
 A pass is planned (``_plan``: forced tokens, the draft, what the target is fed), run (a target
 forward), judged on the device (``_judge``), read, and landed (``_land``: accept, roll back, finish).
-``_one_pass`` does it for one call alone and ``_passes`` loops it: ``decode`` checks the prompt and
+``_one_pass`` does it for one call alone and ``_passes`` loops it: ``decode_steps`` checks the prompt and
 runs them in the caller's thread. ``stream`` makes the call a member of the pair's scheduler
 (``agentspec.scheduler``), whose passes run the planned shares of every call on the pair in one
 forward; it adds the drafter's health and the prefix cache (read in ``_restore`` when the call joins,
@@ -641,7 +641,7 @@ def _late(call: _Call) -> DecodeTimeout | None:
     )
 
 
-def decode(
+def decode_steps(
     pair: ModelPair,
     prompt_ids: list[int],
     config: GenerationConfig,
@@ -836,7 +836,8 @@ def stream(
 ) -> Iterator[Step]:
     """Yield Steps as tokens are verified. Options are GenerationConfig fields (or ``config=``).
 
-    ``grammar`` (an ``agentspec.grammar.Grammar`` or ``Constraint``) constrains the output; see ``decode``.
+    ``grammar`` (an ``agentspec.grammar.Grammar`` or ``Constraint``) constrains the output; see
+    ``decode_steps``.
 
     The call decodes in the pair's scheduler (``pair.scheduler``, ``agentspec.scheduler``): its passes
     are shared with every other call running on the pair, one target forward for all of them, and

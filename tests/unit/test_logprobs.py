@@ -12,7 +12,7 @@ import agentspec
 from agentspec import ModelPair
 from agentspec import grammar as G
 from agentspec.config import GenerationConfig
-from agentspec.decode import decode, resolve_drafter
+from agentspec.decode import decode_steps, resolve_drafter
 from agentspec.logprobs import FLOOR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,7 +73,7 @@ def test_without_logprobs_none_are_computed(pair):
 def test_the_solo_loop_scores_too(pair):
     """``agentspec.decode`` (one call, no scheduler) reads the same scores."""
     config = GenerationConfig(max_new_tokens=16, logprobs=TOP, num_draft_tokens=3)
-    steps = list(decode(pair, PROMPTS[1], config, resolve_drafter(pair, "model")))
+    steps = list(decode_steps(pair, PROMPTS[1], config, resolve_drafter(pair, "model")))
     check(pair.target, PROMPTS[1], steps)
 
 

@@ -12,7 +12,7 @@ import agentspec
 from agentspec.attention import use_grouped_sdpa
 from agentspec.bench.syncs import HostSyncs
 from agentspec.config import GenerationConfig
-from agentspec.decode import decode
+from agentspec.decode import decode_steps
 from agentspec.drafters.model import ModelDrafter
 from agentspec.kv import ModelState
 from agentspec.models import ModelPair
@@ -254,7 +254,7 @@ def test_a_compiled_verify_pass_pads_to_its_width(pair, hf_greedy):
     prompt = [5, 9, 11, 40, 2]
     target = StaticState(model, capacity=64, compiled=True, width=4)
     config = GenerationConfig(max_new_tokens=16, num_draft_tokens=3)
-    steps = list(decode(pair, prompt, config, drafter=ModelDrafter(pair.draft, VOCAB), target=target))
+    steps = list(decode_steps(pair, prompt, config, drafter=ModelDrafter(pair.draft, VOCAB), target=target))
     assert [t for step in steps for t in step.tokens] == hf_greedy(model, prompt, 16)
     assert len(target.ids) == len(prompt) + 15 and target._step is not None  # the last token: not fed yet
 

@@ -125,7 +125,7 @@ def test_a_call_that_finishes_in_its_first_pass_returns_however_late(fresh, hf_g
 
 
 def test_decode_without_the_lock_keeps_the_deadline_too(fresh):
-    steps = agentspec.decode(fresh, PROMPT, GenerationConfig(timeout=0, **OPTS))
+    steps = agentspec.decode_steps(fresh, PROMPT, GenerationConfig(timeout=0, **OPTS))
     next(steps)
     with pytest.raises(DecodeTimeout, match="decoding"):
         next(steps)

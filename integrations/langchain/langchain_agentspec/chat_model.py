@@ -109,10 +109,10 @@ def _chunk_of_call(call: dict, index: int) -> dict:
 
 
 @dataclasses.dataclass
-class _Call:
+class _Prepared:
     """One request, prepared: what ``_stream`` runs."""
 
-    call: ChatCall  # the pair, the prepared request, its fitted config and compiled grammar
+    chat: ChatCall  # the pair, the prepared request, its fitted config and compiled grammar
     prefix_cache: Any  # agentspec.stream's prefix_cache: True, False or a PrefixCache
     drafter: Any
 
@@ -549,7 +549,7 @@ class ChatSpecDecode(BaseChatModel):
         """
         return None
 
-    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> _Call:
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> _Prepared:
         kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_ARGS}
         model = kwargs.pop("model", None)
         if model is not None and model != self.model_name:
@@ -581,7 +581,7 @@ class ChatSpecDecode(BaseChatModel):
             prefill=self._prefill(messages, tools, tool_choice),
         )
         prefix_cache = self._prefix_cache(overrides.get("prefix_cache", self.prefix_cache))
-        return _Call(call, prefix_cache, overrides.get("drafter", self.drafter))
+        return _Prepared(call, prefix_cache, overrides.get("drafter", self.drafter))
 
     def _stream(
         self,
@@ -607,19 +607,19 @@ class ChatSpecDecode(BaseChatModel):
         aggregates them, which the span records as ``gen_ai.request.stream``)."""
         agentspec = _engine.engine()  # the first local call imports it (or says how to install it)
         try:
-            call = self._prepare(messages, stop, kwargs)
+            prepared = self._prepare(messages, stop, kwargs)
         except Exception as exc:
             self._trace(None, run_manager, streamed, exc)
             raise
         errors: dict[str, str] = {}  # invalid call id -> why (chunk merging drops the error field)
         response_id = agentspec.chat.new_response_id()  # the span's gen_ai.response.id, and the reply's
         # a span and metrics (no-ops without an OpenTelemetry SDK), told the reply as parsed at the end
-        trace = self._trace(call, run_manager, streamed, response_id=response_id)
+        trace = self._trace(prepared, run_manager, streamed, response_id=response_id)
         texts: list[str] = []
         made: list[dict] = []  # the reply's calls (valid or not), OpenAI format
         # the same run agentspec serve answers with (agentspec.chat.run)
-        deltas = agentspec.chat.run(call.call, call.drafter, call.prefix_cache)
-        name = call.call.pair.name
+        deltas = agentspec.chat.run(prepared.chat, prepared.drafter, prepared.prefix_cache)
+        name = prepared.chat.pair.name
         try:
             for delta in deltas:
                 errors.update((c["id"], c["error"]) for c in delta.calls if "error" in c)
@@ -795,7 +795,7 @@ class ChatSpecDecode(BaseChatModel):
 
     def _trace(
         self,
-        call: _Call | None,
+        prepared: _Prepared | None,
         run_manager: Any,
         streamed: bool,
         error: Exception | None = None,
@@ -809,11 +809,11 @@ class ChatSpecDecode(BaseChatModel):
         (``_run.run_conversation_id``).
         """
         telemetry = _engine.engine().telemetry
-        chat = call.call if call is not None else None
+        chat = prepared.chat if prepared is not None else None
         info = telemetry.CallInfo(
             self.model_name,
             chat.config if chat is not None else None,
-            call.prefix_cache if call is not None else True,
+            prepared.prefix_cache if prepared is not None else True,
             streamed=streamed,
             parent=parent_context(run_manager),
             conversation_id=run_conversation_id(run_manager),
