@@ -24,6 +24,10 @@ cut or crashes still reports what it measured. Phases:
 - profile: the profile on the same shapes: the target's pass over 1, 5 and 17 new rows and the
   draft's one-token step (CUDA events), and where a pass's time goes (device time by op category;
   "outside_ops": the time the device waits for launches), ``agentspec.bench.passes``.
+- compiled_verify: the biggest question a GPU answers, before the slow phases: the target's verify
+  pass at 1, 5 and 17 rows compiled over agentspec's own static state (``StaticState(width=k)``:
+  ``torch.compile(mode="reduce-overhead")``, CUDA graphs on a GPU) beside the pair's eager pass
+  (its lean forward), and the compiled pass's logits against the eager one's.
 - end_to_end: tokens/s of ``generate()``, agentspec without drafts and with a replay drafter of
   acceptance 0.6 / 0.8 / 0.95 (``agentspec.bench.replay``); transformers assisted generation cannot
   take that drafter (see ``assisted_per_pass``), so its cost per pass is compared instead.
@@ -69,6 +73,7 @@ from agentspec.bench.systems import StaticCompiled  # noqa: E402
 from agentspec.cache import PrefixCache  # noqa: E402
 from agentspec.drafters import DraftMemory, build_drafter  # noqa: E402
 from agentspec.kv import ModelState  # noqa: E402
+from agentspec.static_kv import StaticState  # noqa: E402
 
 DRAFTERS = ("none", "prompt_lookup", "suffix", "model", "model_scheduled", "auto")
 STATIC_DRAFTERS = ("model", "auto")  # also run with the pair's static draft cache (draft_cache="static")
@@ -757,6 +762,56 @@ def phase_prefix_cache(speed: Speed) -> dict[str, Any]:
     }
 
 
+# ---- the verify pass compiled over our own static state ---------------------------------------
+
+
+def compiled_verify_ms(pair, prefix: list[int], new: list[int], k: int, repeats: int) -> dict[str, Any]:
+    """The target's pass over ``k`` new rows after ``prefix``, compiled over ``StaticState(width=k)``
+    (CUDA graphs on CUDA): compile seconds, median ms, and its logits' largest difference from the
+    pair's eager pass; each pass rolls back by moving the state's length."""
+    model, device = pair.target, pair.device
+    state = StaticState(model, capacity=len(prefix) + k, compiled=True, width=k)
+    eager = ModelState(pair.target_forward)
+    with torch.inference_mode():
+        state.forward(prefix, keep=1)  # longer than the width: eager
+        eager.forward(prefix, keep=1)
+        want = eager.forward(new[:k], keep=k)
+
+        def once() -> tuple[torch.Tensor, float]:
+            torch.compiler.cudagraph_mark_step_begin()
+            logits, s = timed(lambda: state.forward(new[:k], keep=k).clone(), device)
+            state.truncate(len(prefix))
+            return logits, s
+
+        got, compile_s = once()
+        once(), once()  # CUDA graphs record on the calls after the compiling one
+        times = [once()[1] for _ in range(repeats)]
+    return {
+        "compile_s": compile_s,
+        "median_ms": statistics.median(times) * 1e3,
+        "max_logit_diff": (got.float() - want.float()).abs().max().item(),
+    }
+
+
+def phase_compiled_verify(speed: Speed, report: Report) -> dict[str, Any]:
+    """The 7B-shaped target's verify pass at each PROFILE_ROWS size, eager (the pair's lean forward)
+    and compiled over our static state, while the budget leaves time for one more compile."""
+    pair, p = speed.pair, speed.plan
+    new = speed.ids[: max(PROFILE_ROWS)]
+    eager = step_ms(pair.target_forward, speed.ids, new, PROFILE_ROWS, p.repeats)
+    out: dict[str, Any] = {"eager_ms": {str(k): v for k, v in eager.items()}, "compiled": {}, "skipped": []}
+    need = COMPILE_GUESS_S if p.device.type == "cuda" else 0.0
+    for k in PROFILE_ROWS:
+        if report.left() <= need:
+            out["skipped"].append(k)
+            continue
+        row = compiled_verify_ms(pair, speed.ids, new, k, p.repeats)
+        row["eager_over_compiled"] = eager[k] / row["median_ms"]
+        out["compiled"][str(k)] = row
+        need = row["compile_s"]
+    return out
+
+
 # ---- compiled baselines ----------------------------------------------------------------------
 
 
@@ -908,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     report.phase("syncs", lambda: phase_syncs(plan))
     report.phase("verify_cost", lambda: phase_verify_cost(speed))
     report.phase("profile", lambda: phase_profile(speed))
+    report.phase("compiled_verify", lambda: phase_compiled_verify(speed, report))
     report.phase("end_to_end", lambda: phase_end_to_end(speed))
     report.phase("prefix_cache", lambda: phase_prefix_cache(speed))
     report.phase("batched", lambda: phase_batched(speed, report))

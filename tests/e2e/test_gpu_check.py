@@ -8,14 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ["identity", "syncs", "verify_cost", "profile", "end_to_end", "prefix_cache", "batched", "compiled"]
+PHASES = [
+    "identity", "syncs", "verify_cost", "profile", "compiled_verify", "end_to_end", "prefix_cache", "batched",
+    "compiled",
+]  # fmt: skip
 
 
-@pytest.mark.slow
 def test_the_quick_cpu_run_reports_every_phase(tmp_path):
+    """In the default suite: a phase that errors (as the identity phase's deepcopy of a pair's model
+    once did) fails CI, not a later GPU lease."""
     out = tmp_path / "gpu_check.json"
     cmd = [
         sys.executable,
@@ -47,6 +49,9 @@ def test_the_quick_cpu_run_reports_every_phase(tmp_path):
     profile = phases["profile"]
     assert set(profile["target"]) == set(profile["target_profile"]) == {"1", "5", "17"}
     assert "linear" in profile["target_profile"]["1"]["categories_ms"]
+    verify = phases["compiled_verify"]
+    assert set(verify["eager_ms"]) == set(verify["compiled"]) == {"1", "5", "17"} and not verify["skipped"]
+    assert all(row["max_logit_diff"] < 1e-3 for row in verify["compiled"].values()), verify["compiled"]
     e2e = phases["end_to_end"]["rows"]
     assert all(e2e[f"agentspec replay {a}"]["identical"] for a in (0.6, 0.8, 0.95))
     assert e2e["transformers assisted"]["passes"] > 0
