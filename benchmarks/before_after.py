@@ -15,6 +15,12 @@ ratios (before / after: above 1 means faster after). ``--dtype`` loads both chec
 (``auto``: each checkout's own default, which may differ between them); each job records the dtype each side
 ran, and an explicit dtype that a checkout cannot load (its benchmark has no ``--dtype``) stops the run.
 
+With ``--pass-rounds N`` it also times the pair's passes in both checkouts, N rounds of a fresh process each,
+the order flipping each round: the target's pass over each of ``--pass-rows`` new rows after 400 cached
+random tokens, and the default draft's step (an EAGLE head: its layer and its scores, as a drafting
+call runs them), each the median of ``--pass-repeats``; the summary's ``passes`` holds each one's median of
+the per-round ratios (before / after: above 1 means faster after).
+
 It also compares every reply between the two checkouts, job by job: a trace's replies are each turn's plain
 reply (its token ids where both runs wrote them, else its text; within a checkout every configuration must
 equal it, ``identical``), the loop's are each chat model's text at each call. Each job records
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,6 +74,38 @@ models = systems.loop_systems(pair, int(sys.argv[1]), cache_bytes=1 << 30)
 rows = run.agent_loop(pair, models, tqdm(disable=True))
 summary = report.summarise_loop(rows, list(models))
 """
+# The pair's passes at a commit: the target's (through the forward its pairs call: ``target_forward``, or
+# earlier the model, whose passes ran inside ``kv.pass_rows``) and the EAGLE head's step with its scores
+PASS_RUN = """
+import contextlib, json, statistics, sys, time
+import torch
+from agentspec import kv, load_pair
+from agentspec.bench import passes
+dtype, rows, cache_len, repeats = sys.argv[1], [int(k) for k in sys.argv[2].split(",")], 400, int(sys.argv[3])
+pair = load_pair(dtype=dtype)
+forward = getattr(pair, "target_forward", pair.target)
+timed = passes.pass_times(forward, cache_len, rows, repeats)
+target = {str(k): statistics.median(v) for k, v in timed.items()}
+head = pair.draft
+scores = getattr(pair, "draft_scores", None) or head.head
+in_pass = (lambda: kv.pass_rows(1)) if hasattr(kv, "pass_rows") else contextlib.nullcontext
+feats = torch.zeros((1, cache_len + 1, head.config.hidden_size), dtype=head.dtype)
+ids = torch.arange(cache_len + 1)[None] % 1000
+from transformers import DynamicCache
+cache = DynamicCache(config=head.decoder.config)
+times = []
+with torch.inference_mode():
+    head.hidden(feats[:, :cache_len], ids[:, :cache_len], cache)
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        with in_pass():
+            scores(head.hidden(feats[:, -1:], ids[:, -1:], cache)[0])
+        if r:
+            times.append((time.perf_counter() - t0) * 1e3)
+        cache.crop(-1)
+print(json.dumps({"target_ms": target, "draft_step_ms": statistics.median(times), "dtype": str(pair.dtype)}))
+"""
+
 # each chat model's reply at each call, in a fixed order (a row's systems are in the call's rotated order)
 LOOP_PRINT = """
 texts = [
@@ -203,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="none,prompt_lookup,suffix,model_scheduled,auto")
     ap.add_argument("--loop-max-new-tokens", type=int, default=16)
     ap.add_argument("--loop-rounds", type=int, default=1, help="agent-loop jobs, the order flipping each")
+    ap.add_argument("--pass-rounds", type=int, default=0, help="pass-timing jobs, the order flipping each")
+    ap.add_argument("--pass-rows", default="1,5,17")
+    ap.add_argument("--pass-repeats", type=int, default=15)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/before_after.json"))
     ap.add_argument(
         "--dtype",
@@ -222,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = {side: args.dtype if takes_dtype(tree) else None for side, tree in trees.items()}
     jobs = [("trace", t) for t in args.traces.split(",") if t]
     jobs += [("loop", f"agent_loop_{r}" if r else "agent_loop") for r in range(args.loop_rounds)]
+    jobs += [("pass", f"passes_{r}") for r in range(args.pass_rounds)]
     for j, (kind, name) in enumerate(jobs):
         order = ["before", "after"] if j % 2 == 0 else ["after", "before"]
         row: dict[str, Any] = {}
@@ -232,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
                 out = tmp / f"{side}_{name}.json"
                 seconds, _ = run_in(tree, traces_job(tree, name, args.configs, dtypes[side], out))
                 figures = trace_figures(out)
+            elif kind == "pass":
+                dtype = "float32" if args.dtype == "auto" else args.dtype
+                argv = [sys.executable, "-c", PASS_RUN, dtype, args.pass_rows, str(args.pass_repeats)]
+                seconds, stdout = run_in(tree, argv)
+                figures = {**json.loads(stdout.strip().splitlines()[-1]), "replies": None}
             else:
                 code = loop_code(tree)
                 argv = [sys.executable, "-c", code, str(args.loop_max_new_tokens), args.dtype]
@@ -242,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             replies[side] = figures.pop("replies")  # compared below, not kept whole
             row[side] = {"process_s": seconds, **figures}
             print(f"{name} {side}: {seconds:.0f} s", flush=True)
-        row.update(compare_replies(replies["before"], replies["after"]))
-        print(f"{name}: replies identical {row['replies_identical']}", flush=True)
+        if kind != "pass":
+            row.update(compare_replies(replies["before"], replies["after"]))
+            print(f"{name}: replies identical {row['replies_identical']}", flush=True)
         (result["traces"] if kind == "trace" else result).__setitem__(name, row)
     result["summary"] = summary(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -261,6 +310,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     agent loop: seconds summed over its rounds."""
     traces = list(result["traces"].values())
     loops = [row for name, row in result.items() if name.startswith("agent_loop")]
+    rounds = [row for name, row in result.items() if name.startswith("passes_")]
     out: dict[str, Any] = {"agent_traces": {}, "agent_loop": {}, "loop_rounds": len(loops)}
     for c in result["configs"].split(",") if traces else []:
         before = sum(r["before"]["configs"][c]["seconds"] for r in traces)
@@ -273,7 +323,30 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     out["identical"] = all(r[s]["all_identical"] for r in traces for s in ("before", "after")) and all(
         r[s]["full_equals_baseline"] for r in loops for s in ("before", "after")
     )
-    out["all_replies_identical"] = all_replies_identical([*traces, *loops])
+    out["all_replies_identical"] = all_replies_identical([*traces, *loops]) if traces or loops else None
+    if rounds:
+        out["passes"] = pass_ratios(rounds)
+    return out
+
+
+def pass_ratios(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each pass's median over the rounds of before / after (ms): above 1 is faster after."""
+    names = [f"target_{k}" for k in rounds[0]["after"]["target_ms"]] + ["draft_step"]
+
+    def ms(row: dict[str, Any], name: str) -> float:
+        return (
+            row["draft_step_ms"] if name == "draft_step" else row["target_ms"][name.removeprefix("target_")]
+        )
+
+    out = {}
+    for name in names:
+        ratios = [ms(r["before"], name) / ms(r["after"], name) for r in rounds]
+        out[name] = {
+            "before_ms": statistics.median(ms(r["before"], name) for r in rounds),
+            "after_ms": statistics.median(ms(r["after"], name) for r in rounds),
+            "before_over_after_rounds": ratios,
+            "median_before_over_after": statistics.median(ratios),
+        }
     return out
 
 
