@@ -51,28 +51,36 @@ from agentspec.kv import GrowingLayer
 from agentspec.linears import plain
 from agentspec.packed import causal_mask
 
-# The model classes whose decoder layers this forward reproduces: pre-norm RMSNorm, rotary q/k, SiLU
-# gated MLP, optional q/k/v bias (Qwen2); a family with anything more (q/k norms, sliding windows,
-# soft-capping) keeps transformers' forward
-FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+# The model classes whose decoder layers this forward reproduces, with their decoder stacks' classes:
+# pre-norm RMSNorm, rotary q/k, SiLU gated MLP, optional q/k/v bias (Qwen2); a family with anything
+# more (q/k norms, sliding windows, soft-capping) keeps transformers' forward
+FAMILIES = {"LlamaForCausalLM": "LlamaModel", "Qwen2ForCausalLM": "Qwen2Model"}
 
 
 def supported(model: Any) -> bool:
     """Whether ``model`` is one this forward reproduces (see FAMILIES), as loaded for agentspec: sdpa
     attention, SiLU, plain linears, every layer full attention, no forward of its own already."""
-    name = type(model).__name__
-    if name not in FAMILIES or "forward" in vars(model):
+    if type(model).__name__ not in FAMILIES or "forward" in vars(model):
         return False
-    config = model.config
+    return type(model.lm_head) is torch.nn.Linear and supported_decoder(model.model)
+
+
+def supported_decoder(decoder: Any) -> bool:
+    """Whether the decoder stack ``decoder`` (a model's ``.model``, or an EAGLE head's layer) is one this
+    forward reproduces (see ``supported``)."""
+    name = type(decoder).__name__
+    if name not in FAMILIES.values() or "forward" in vars(decoder):
+        return False
+    config = decoder.config
     if config._attn_implementation not in ("sdpa", GROUPED_SDPA) or config.hidden_act != "silu":
         return False
-    if name == "LlamaForCausalLM" and config.mlp_bias:  # Llama's own switch; Qwen2 has no MLP bias
+    if name == "LlamaModel" and config.mlp_bias:  # Llama's own switch; Qwen2 has no MLP bias
         return False
-    if name == "Qwen2ForCausalLM" and any(t != "full_attention" for t in config.layer_types):
+    if name == "Qwen2Model" and any(t != "full_attention" for t in config.layer_types):
         return False  # Qwen2's sliding-window layers; Llama has none
-    layers = [_Layer.parts(layer) for layer in model.model.layers]
+    layers = [_Layer.parts(layer) for layer in decoder.layers]
     linears = [m for qkv, o, gate_up, down in layers for m in (*qkv, o, *gate_up, down)]
-    return all(type(m) is torch.nn.Linear for m in [*linears, model.lm_head])
+    return all(type(m) is torch.nn.Linear for m in linears)
 
 
 def _fuse(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
@@ -170,25 +178,27 @@ class LeanForward:
     Built, it fuses the weights (the model's q/k/v and gate/up parameters become views of the fused
     ones: same values, no copy) and computes every linear with ``F.linear``; ``bind`` gives each the
     product the pair's ``linears.PassLinears`` chose (``linears()`` lists what it computes). The
-    model's own forward and modules are untouched.
+    model's own forward and modules are untouched. ``decoder`` alone (a decoder stack without an LM
+    head: an EAGLE head's layer) runs from embeddings to the final norm (``hidden``).
     """
 
     packs = True  # it runs packed passes (``pack=``)
 
-    def __init__(self, model: Any):
-        self.model = model
-        decoder = model.model
-        config = model.config
+    def __init__(self, model: Any, decoder: Any = None):
+        self.model = model  # whose config numbers the layers (``forward.feature_index``)
+        decoder = model.model if decoder is None else decoder
+        config = decoder.config
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm
-        self.lm_head = model.lm_head
+        self.lm_head = getattr(model, "lm_head", None)  # None: a decoder stack alone
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = decoder.layers[0].self_attn.head_dim
-        self.scaling = decoder.layers[0].self_attn.scaling
+        attn = decoder.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.groups = self.heads // self.kv_heads
-        weight = self.lm_head.weight
+        weight = attn.o_proj.weight
+        self.device, self.dtype = weight.device, weight.dtype
         doubled = weight.device.type == "cpu" and weight.dtype in LAYER_NORM_DTYPES
         self.layers = [_Layer(layer, i, doubled) for i, layer in enumerate(decoder.layers)]
         # the passes of at most this many rows attend blocked (``attention.blocked_attention``), each
@@ -197,7 +207,7 @@ class LeanForward:
         limit = invariant_rows(weight.device, weight.dtype)
         fits = limit is not None and blocked_fits(self.kv_heads, self.groups, self.head_dim, weight.dtype)
         self.blocked_rows = limit if fits else None
-        self.lm_head_product = plain(self.lm_head)
+        self.lm_head_product = plain(self.lm_head) if self.lm_head is not None else None
 
     def bind(self, product: Callable[[torch.nn.Linear], Callable[[torch.Tensor], torch.Tensor]]) -> None:
         """Compute each linear (the fused ones, o, down, the LM head) in passes as ``product(linear)``:
@@ -205,17 +215,30 @@ class LeanForward:
         others)."""
         for layer in self.layers:
             layer.bind(product)
-        self.lm_head_product = product(self.lm_head)
+        if self.lm_head is not None:
+            self.lm_head_product = product(self.lm_head)
 
     def linears(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.nn.Linear]]:
         """Each linear a pass computes, in a pass's order (each layer's qkv, o, gate_up and down, then
         the LM head), with what computes it (``bind``): what the pair's ``PassLinears`` decides for,
         and what ``agentspec.bench.passes.linears_alone`` times."""
-        return [*(x for layer in self.layers for x in layer.linears()), (self.lm_head_product, self.lm_head)]
+        head = [(self.lm_head_product, self.lm_head)] if self.lm_head is not None else []
+        return [*(x for layer in self.layers for x in layer.linears()), *head]
 
     def __call__(self, ids, keep, *, cache=None, pack=None, positions=None, features: Sequence[int] = ()):
         """The logits of the kept rows [R, V] after feeding ``ids`` [1, T], and the ``features`` asked
         for (``agentspec.forward``'s numbering), [T, H] each."""
+        wanted: dict[int, torch.Tensor | None] = {feature_index(self.model, f): None for f in features}
+        x = self.hidden(self.embed(ids), cache=cache, pack=pack, positions=positions, wanted=wanted)
+        rows = slice(-keep, None) if isinstance(keep, int) else keep
+        found = tuple(wanted[feature_index(self.model, f)] for f in features)
+        return PassOut(self.lm_head_product(x[0, rows]), found)
+
+    def hidden(self, x, *, cache=None, pack=None, positions=None, wanted=None) -> torch.Tensor:
+        """The final norm's output [1, T, H] for embeddings ``x`` [1, T, H] fed after ``cache`` (or as
+        ``pack``'s rows); ``wanted`` (layer index -> None) gets each listed layer's input, and the
+        final norm's output at index L."""
+        wanted = {} if wanted is None else wanted
         if pack is not None:
             spans = [
                 self._span(state.cache, *span, mask)
@@ -223,13 +246,10 @@ class LeanForward:
             ]
             positions = pack.positions
         else:
-            held, n = cache.get_seq_length(), ids.shape[1]
-            weight = self.lm_head.weight
-            spans = [self._span(cache, 0, n, causal_mask(held, n, ids.device, weight.dtype))]
+            held, n = cache.get_seq_length(), x.shape[1]
+            spans = [self._span(cache, 0, n, causal_mask(held, n, x.device, self.dtype))]
             if positions is None:  # a solo pass's rows follow its cache
-                positions = torch.arange(held, held + n, device=ids.device)[None]
-        wanted: dict[int, torch.Tensor | None] = {feature_index(self.model, f): None for f in features}
-        x = self.embed(ids)
+                positions = torch.arange(held, held + n, device=x.device)[None]
         rope = self.rope(x, positions)
         for layer in self.layers:
             if layer.index in wanted:
@@ -238,9 +258,7 @@ class LeanForward:
         x = self.final_norm(x)
         if len(self.layers) in wanted:
             wanted[len(self.layers)] = x[0]
-        rows = slice(-keep, None) if isinstance(keep, int) else keep
-        found = tuple(wanted[feature_index(self.model, f)] for f in features)
-        return PassOut(self.lm_head_product(x[0, rows]), found)
+        return x
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``_rotate``'s cosine and signed sine [1, T, 1, D] (broadcast over heads) at ``position_ids``:
@@ -256,13 +274,12 @@ class LeanForward:
         blocks (``GrowingLayer``), ``ROWS`` one by one where a verify-sized pass is held to one-row
         bits otherwise (``attention.rows_apart``), else ``FOLDED`` (``agentspec_sdpa``)."""
         held, n = cache.get_seq_length(), b - a
-        weight = self.lm_head.weight
-        apart = mask is not None and rows_apart(weight.device, weight.dtype, n)
+        apart = mask is not None and rows_apart(self.device, self.dtype, n)
         if self.blocked_rows is None or n > self.blocked_rows:
             return cache, a, b, mask, ROWS if apart else FOLDED
         if not cache.layers or not all(type(x) is GrowingLayer for x in cache.layers):  # none yet: lazy
             return cache, a, b, mask, ROWS if apart else FOLDED
-        return cache, a, b, blocked_mask(held, n, self.groups, weight.device, weight.dtype), BLOCKED
+        return cache, a, b, blocked_mask(held, n, self.groups, self.device, self.dtype), BLOCKED
 
     def _layer(self, layer: _Layer, x: torch.Tensor, rope, spans) -> torch.Tensor:
         batch, t, _ = x.shape

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import threading
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,12 +30,13 @@ import torch
 from agentspec import warm
 from agentspec.attention import NAME, invariant_rows, use_grouped_sdpa
 from agentspec.cost import PairCost
-from agentspec.drafters.eagle import is_eagle
+from agentspec.drafters.eagle import EagleForward, is_eagle
 from agentspec.drafters.tenants import TenantStore
 from agentspec.forward import Forward, PlainForward
 from agentspec.grammar import GrammarCompiler
 from agentspec.lean import LeanForward
 from agentspec.lean import supported as lean_supported
+from agentspec.lean import supported_decoder as lean_supported_decoder
 from agentspec.linears import PassLinears
 from agentspec.scheduler import PREFILL_CHUNK, PREFILL_CHUNKS, Scheduler
 from agentspec.static_kv import StaticState
@@ -264,9 +264,10 @@ class ModelPair:
     # model (an EAGLE head drafts through its own module)
     target_forward: Forward = field(init=False, repr=False, compare=False)
     draft_forward: Forward | None = field(init=False, repr=False, compare=False)
-    # what scores an EAGLE head's outputs: the pass product of the LM head it shares with the target
-    # (packed where the target's lean forward packs it); None without a head
-    draft_scores: Callable[[torch.Tensor], torch.Tensor] | None = field(init=False, repr=False, compare=False)
+    # what an EAGLE head's passes call (agentspec.drafters.eagle.EagleForward): its decoder layer's lean
+    # forward, its fc and the LM head it shares with the target as the pair computes them; None
+    # without a head
+    draft_head: EagleForward | None = field(init=False, repr=False, compare=False)
     # how the lean forwards compute their CPU linears (prepacked, weight-first), found once here
     pass_linears: PassLinears = field(init=False, repr=False, compare=False)
     # the tokenizer's grammar compiler, built on first use (``grammar_compiler``)
@@ -278,15 +279,19 @@ class ModelPair:
     )
 
     def __post_init__(self) -> None:
+        head = self.draft if self.draft is not None and is_eagle(self.draft) else None
         self.target_forward = self._forward(self.target)
-        draft = self.draft if self.draft is not None and not is_eagle(self.draft) else None
-        self.draft_forward = self._forward(draft) if draft is not None else None
-        lean = [f for f in (self.target_forward, self.draft_forward) if isinstance(f, LeanForward)]
-        self.pass_linears = PassLinears(linear for f in lean for _, linear in f.linears())
+        self.draft_forward = self._forward(self.draft) if self.draft is not None and head is None else None
+        decoder = self._head_decoder(head)
+        lean = [f for f in (self.target_forward, self.draft_forward, decoder) if isinstance(f, LeanForward)]
+        own = [head.fc] if head is not None else []
+        self.pass_linears = PassLinears([*(linear for f in lean for _, linear in f.linears()), *own])
         for f in lean:
             f.bind(self.pass_linears.product)
-        head = self.draft.head if self.draft is not None and is_eagle(self.draft) else None
-        self.draft_scores = self.pass_linears.product(head) if type(head) is torch.nn.Linear else head
+        self.draft_head = None
+        if head is not None:
+            scores = self.pass_linears.product(head.head) if type(head.head) is torch.nn.Linear else None
+            self.draft_head = EagleForward(head, decoder, self.pass_linears.product(head.fc), scores)
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)
@@ -309,6 +314,12 @@ class ModelPair:
         if self.lean_forward and lean_supported(model):
             return LeanForward(model)
         return PlainForward(model, packs=getattr(model.config, "_attn_implementation", None) == NAME)
+
+    def _head_decoder(self, head: Any) -> LeanForward | None:
+        """The lean forward of an EAGLE head's decoder stack, where its family has one."""
+        if head is None or not self.lean_forward or not lean_supported_decoder(head.decoder):
+            return None
+        return LeanForward(head.decoder, head.decoder)
 
     def draft_state(self):
         """The draft model's state for a call: None for a dynamic cache (each drafter makes its own

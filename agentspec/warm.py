@@ -43,7 +43,7 @@ def warm_up(pair: Any) -> float:
     with torch.inference_mode():
         hidden = _target_passes(pair.target_forward, ids, eagle)
         if eagle:
-            _eagle_passes(pair.draft, pair.draft_scores, ids, hidden)
+            _eagle_passes(pair.draft, pair.draft_head, ids, hidden)
         elif pair.draft is not None:
             _target_passes(pair.draft_forward, ids, False)
     threading.Thread(target=pair.grammar_compiler.prepare, name="agentspec-grammar").start()
@@ -72,9 +72,10 @@ def _target_passes(forward: Any, ids: list[int], hidden: bool) -> list[torch.Ten
     return feats
 
 
-def _eagle_passes(head: Any, scores: Any, ids: list[int], feats: list[torch.Tensor]) -> None:
-    """An EAGLE head fed the target's features as a call feeds it, then a few draft steps."""
-    state = EagleState(head, scores)
+def _eagle_passes(head: Any, run: Any, ids: list[int], feats: list[torch.Tensor]) -> None:
+    """An EAGLE head fed the target's features as a call feeds it (through ``run``, the pair's
+    ``draft_head``), then a few draft steps."""
+    state = EagleState(head, run)
     pos = 0
     for rows, hidden in zip((PREFILL_ROWS, *VERIFY_ROWS), feats, strict=True):
         state.observe(pos, hidden)

@@ -76,6 +76,8 @@ summary = report.summarise_loop(rows, list(models))
 """
 # The pair's passes at a commit: the target's (through the forward its pairs call: ``target_forward``, or
 # earlier the model, whose passes ran inside ``kv.pass_rows``) and the EAGLE head's step with its scores
+# (through the pair's ``draft_head``, or earlier the head's modules inside ``kv.pass_rows``), each over
+# the cache its drafting state keeps
 PASS_RUN = """
 import contextlib, json, statistics, sys, time
 import torch
@@ -87,19 +89,20 @@ forward = getattr(pair, "target_forward", pair.target)
 timed = passes.pass_times(forward, cache_len, rows, repeats)
 target = {str(k): statistics.median(v) for k, v in timed.items()}
 head = pair.draft
-scores = getattr(pair, "draft_scores", None) or head.head
+run = getattr(pair, "draft_head", None)  # what the head's passes call; earlier, the head's own modules
+hidden, scores = (run.hidden, run.scores) if run is not None else (head.hidden, head.head)
 in_pass = (lambda: kv.pass_rows(1)) if hasattr(kv, "pass_rows") else contextlib.nullcontext
 feats = torch.zeros((1, cache_len + 1, head.config.hidden_size), dtype=head.dtype)
 ids = torch.arange(cache_len + 1)[None] % 1000
 from transformers import DynamicCache
-cache = DynamicCache(config=head.decoder.config)
+cache = kv.growing_cache(head.decoder.config) if run is not None else DynamicCache(config=head.decoder.config)
 times = []
 with torch.inference_mode():
-    head.hidden(feats[:, :cache_len], ids[:, :cache_len], cache)
+    hidden(feats[:, :cache_len], ids[:, :cache_len], cache)
     for r in range(repeats + 1):
         t0 = time.perf_counter()
         with in_pass():
-            scores(head.hidden(feats[:, -1:], ids[:, -1:], cache)[0])
+            scores(hidden(feats[:, -1:], ids[:, -1:], cache)[0])
         if r:
             times.append((time.perf_counter() - t0) * 1e3)
         cache.crop(-1)

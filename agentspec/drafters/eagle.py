@@ -27,11 +27,10 @@ model of tokens), and vLLM's and SGLang's are bound to their own model runners.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import torch
 
-from agentspec.kv import PassIds, common_prefix_len, to_device
+from agentspec.kv import PassIds, common_prefix_len, growing_cache, to_device
 
 EAGLE_ARCHITECTURE = "eagle"
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
@@ -107,6 +106,31 @@ def is_eagle(model) -> bool:
     return getattr(model, "architecture", None) == EAGLE_ARCHITECTURE
 
 
+class EagleForward:
+    """What an ``EagleState``'s passes call (the pair's ``ModelPair.draft_head``): the head's ``fc``,
+    its decoder layer and the scores of the LM head it shares, as the pair computes them.
+
+    ``decoder``: the lean forward of the head's decoder stack (``agentspec.lean``, where its family
+    has one), None for transformers' own; ``fc`` and ``scores``: the pair's products for the head's
+    ``fc`` and for the target's LM head (``linears.PassLinears``: packed where the CPU gains), None
+    for the modules themselves. The head's own ``hidden`` stays transformers' (distillation trains it).
+    """
+
+    def __init__(self, head: EagleHead, decoder=None, fc=None, scores=None):
+        self.head = head
+        self.decoder = decoder
+        self.fc = fc if fc is not None else head.fc
+        self.scores = scores if scores is not None else head.head
+
+    def hidden(self, feats: torch.Tensor, ids: torch.Tensor, cache) -> torch.Tensor:
+        """The head's outputs [1, T, d] for features ``feats`` [1, T, d] and ids [1, T] after ``cache``."""
+        dtype = self.head.dtype
+        x = self.fc(torch.cat([feats.to(dtype), self.head.embed(ids).to(dtype)], dim=-1))
+        if self.decoder is None:
+            return self.head.decoder(inputs_embeds=x, cache=cache, use_cache=True).last_hidden_state
+        return self.decoder.hidden(x, cache=cache)
+
+
 class EagleState:
     """An ``EagleHead``'s KV cache and the ids it covers, fed the target's features (see module doc).
 
@@ -115,17 +139,14 @@ class EagleState:
     tokens) were fed the head's own output and are rolled back at the next ``sync``.
     """
 
-    def __init__(self, model: EagleHead, scores: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, model: EagleHead, run: EagleForward | None = None):
         self.model = model
-        # what turns the head's outputs [n, d] into logits: the pair's pass product of the target's LM
-        # head the head shares (``ModelPair.draft_scores``: packed where the target's is), else its own
-        self.scores = scores if scores is not None else model.head
+        # what its passes call: the pair's (``ModelPair.draft_head``), else the head's own modules
+        self.run = run if run is not None else EagleForward(model)
         self.reset()
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.decoder.config)
+        self.cache = growing_cache(self.model.decoder.config)
         self.ids: list[int] = []
         self.unread = 0  # drafted entries after ``ids`` fed from the device (their ids not read)
         self.base = 0
@@ -191,9 +212,7 @@ class EagleState:
         self.truncate(len(self.ids))
 
     def reset_cache(self, base: int) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.decoder.config)
+        self.cache = growing_cache(self.model.decoder.config)
         self.base = self.real = base
         self.unread = 0
         self.last = None
@@ -260,14 +279,14 @@ class EagleState:
         if not fed_last:  # the last token has no entry: nothing to predict from
             return torch.zeros((0, 1))
         hidden = torch.cat(outs)[-keep:]
-        return self.scores(hidden)
+        return self.run.scores(hidden)
 
     def _draft_step(self, ids: torch.Tensor) -> torch.Tensor:
         """Feed drafted tokens still on the device [1] with the head's last output; their logits
         [1, V], or [0, V] with nothing to chain from. Their entries are ``unread``."""
         if self.last is None or len(self.ids) + self.unread == self.base:
             return torch.zeros((0, 1))
-        return self.scores(self._feed(self.last[None], ids))[-1:]
+        return self.run.scores(self._feed(self.last[None], ids))[-1:]
 
     def _zero_row(self) -> torch.Tensor:
         return torch.zeros(
@@ -278,7 +297,7 @@ class EagleState:
         on_device = isinstance(ids, torch.Tensor)
         x = ids.reshape(1, -1) if on_device else to_device(ids, self.model.device)[None]
         try:
-            h = self.model.hidden(feats[None].to(self.model.device), x, cache=self.cache)[0]
+            h = self.run.hidden(feats[None].to(self.model.device), x, self.cache)[0]
         except BaseException:
             self.reset()
             raise

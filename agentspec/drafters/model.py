@@ -21,14 +21,12 @@ draw (not the token), so the generator's calls (and a seeded output) are the sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.drafters.eagle import EagleState, is_eagle
+from agentspec.drafters.eagle import EagleForward, EagleState, is_eagle
 from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
 from agentspec.forward import Forward
 from agentspec.grammar import Constraint, apply_bitmask
@@ -65,15 +63,15 @@ class ModelDrafter(Drafter):
         name: str | None = None,
         state: StaticState | None = None,
         forward: Forward | None = None,
-        scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        head: EagleForward | None = None,
     ):
         # an EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_hidden``
         self.uses_target_hidden = is_eagle(model)
         # ``state``: a preallocated one to draft in (``ModelPair.draft_state``); ``forward``: what the
-        # draft model's passes call (``ModelPair.draft_forward``; None: transformers' own); ``scores``:
-        # what scores an EAGLE head's outputs (``ModelPair.draft_scores``; None: its own head)
+        # draft model's passes call (``ModelPair.draft_forward``; None: transformers' own); ``head``:
+        # what an EAGLE head's passes call (``ModelPair.draft_head``; None: its own modules)
         if state is None:
-            state = EagleState(model, scores) if self.uses_target_hidden else ModelState(forward or model)
+            state = EagleState(model, head) if self.uses_target_hidden else ModelState(forward or model)
         self.state = state
         self.vocab_size = vocab_size  # the target's logits width
         self.schedule = schedule  # None: always draft k tokens

@@ -26,7 +26,7 @@ class DraftSource(Protocol):
     target: Any  # the target model (its vocabulary size)
     draft: Any  # the draft model, or None
     draft_forward: Any  # what the draft model's passes call (agentspec.forward.Forward); None for a head
-    draft_scores: Any  # what scores an EAGLE head's outputs (its shared LM head's pass product), or None
+    draft_head: Any  # what an EAGLE head's passes call (agentspec.drafters.eagle.EagleForward), or None
     tenants: TenantStore  # the drafting memory of each namespace
 
     def draft_state(self) -> Any: ...  # the draft's static KV state, or None for a dynamic cache
@@ -51,7 +51,7 @@ def _scheduled(pair: DraftSource, memory: DraftMemory) -> ModelDrafter:
         "model_scheduled",
         pair.draft_state(),
         forward=pair.draft_forward,
-        scores=pair.draft_scores,
+        head=pair.draft_head,
     )
 
 
@@ -66,7 +66,7 @@ def _model(pair: DraftSource, memory: DraftMemory) -> Drafter:
         vocab_size=_vocab(pair),
         state=pair.draft_state(),
         forward=pair.draft_forward,
-        scores=pair.draft_scores,
+        head=pair.draft_head,
     )
 
 

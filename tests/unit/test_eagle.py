@@ -17,6 +17,7 @@ from agentspec.distill.eagle import collate_eagle, eagle_loss
 from agentspec.distill.student import build_eagle
 from agentspec.drafters import ModelDrafter
 from agentspec.drafters.eagle import EagleState, is_eagle
+from agentspec.lean import LeanForward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,12 +57,16 @@ def test_head_is_recognised_and_shares_the_targets_tensors(head, etarget):
     assert all(p.data_ptr() != etarget.lm_head.weight.data_ptr() for p in head.parameters())
 
 
-def test_state_matches_a_full_pass_and_rolls_back_drafted_entries(head, etarget):
-    """Entries fed in pieces (features in batches, chained drafts, roll-back) equal one full pass."""
+@pytest.mark.parametrize("run", ["its own modules", "the pair's forward"])
+def test_state_matches_a_full_pass_and_rolls_back_drafted_entries(head, etarget, epair, run):
+    """Entries fed in pieces (features in batches, chained drafts, roll-back) equal one full pass of
+    the head's own modules, also through the pair's forward of the head (its decoder layer's lean
+    forward, its fc and the shared LM head as the pair's products)."""
     ids = [5, 9, 2, 33, 7, 41, 12, 8, 19, 3]
     f = features(etarget, ids)
     ref = head.hidden(torch.cat([torch.zeros(1, 32), f[:-1]])[None], torch.tensor([ids]))[0]
-    state = EagleState(head)
+    assert isinstance(epair.draft_head.decoder, LeanForward)
+    state = EagleState(head, epair.draft_head if run == "the pair's forward" else None)
     state.observe(0, f[:6])
     rows = state.forward(ids[:7], keep=1)  # x_0..x_6 read f_-1 (zero) .. f_5: all real
     assert state.real == 7 and len(state.ids) == 7 and state.cache.get_seq_length() == 7
