@@ -12,7 +12,7 @@ tensor), so SDPA runs with the KV heads as they are and any kernel that takes a 
 memory-efficient one, the CPU's) does the work. This is transformers' own ``pack_gqa`` (which it
 uses for one query token, outside ``torch.compile``) extended to several rows. Registered through
 transformers' ``AttentionInterface`` (and ``sdpa``'s mask builder), so a model opts in with
-``model.set_attn_implementation("agentspec_sdpa")``. ``benchmarks/bench_attention.py`` times it
+``model.set_attn_implementation("agentspec_sdpa")``. ``benchmarks/probes/attention.py`` times it
 against ``repeat_kv`` and ``enable_gqa`` on verify passes (logits equal within float32 rounding).
 Every other case (no mask, position bias, softcap, a per-head mask) is transformers' own path.
 """
@@ -72,7 +72,7 @@ def grouped_sdpa_forward(
 
 
 # Where one query row without a mask folds too (``_folds``): on a CPU, SDPA's bfloat16 kernel for a
-# one-row query is several times slower than for a few rows (benchmarks/bench_one_row_attention.py,
+# one-row query is several times slower than for a few rows (benchmarks/probes/one_row_attention.py,
 # results/one_row_attention.json); float32's is not, and there transformers' path takes the kernels'
 # own grouped heads
 FOLD_ONE_ROW_DTYPES = {torch.bfloat16}

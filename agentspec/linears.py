@@ -183,7 +183,7 @@ class PassLinears:
     - **float32, weight-first**: ``F.linear`` computes ``x @ W.T``. On a CPU, for a few rows against
       a weight larger than the caches (an LM head; every projection of a 7B model), that kernel runs
       2-4x slower than for one row, while ``W @ x.T`` costs little more than one row
-      (``benchmarks/bench_verify_cost.py``). A verify pass has 2-17 rows, so this is much of its extra
+      (``benchmarks/probes/verify_cost.py``). A verify pass has 2-17 rows, so this is much of its extra
       cost. Same product, another summation order; one-row passes (plain decoding) and prefills keep
       ``F.linear``. Linears whose weight holds at least MIN_WEIGHT_BYTES.
     - **bfloat16, prepacked**: ``F.linear`` in bfloat16 hands oneDNN the weight in its plain layout on

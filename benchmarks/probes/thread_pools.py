@@ -3,7 +3,7 @@
 
 Run from the repository root, with the machine to itself (about 2 minutes on 2 cores):
 
-    python -m benchmarks.bench_thread_pools [--dtypes bfloat16,float32] [--rounds 8]
+    python -m benchmarks.probes.thread_pools [--dtypes bfloat16,float32] [--rounds 8]
         [--out benchmarks/results/thread_pools.json]
 
 The embedded target (``load_pair(dtype=..., warm_up=False)``) holds 400 random tokens; a one-row
@@ -37,7 +37,7 @@ from agentspec.bench.run import environment
 from agentspec.threads import release_pool
 from benchmarks.bench_pass import prompt_ids
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CACHE_LEN = 400
 BLOCK = 5  # passes per block; a block's first is dropped (the pool it may have to build)
 

@@ -3,7 +3,7 @@
 
 Run from the repository root, with the machine to itself (about 5 minutes on 2 cores):
 
-    python -m benchmarks.bench_compiled_step [--configs bfloat16:default,bfloat16:freezing,float32:default]
+    python -m benchmarks.probes.compiled_step [--configs bfloat16:default,bfloat16:freezing,float32:default]
         [--rounds 12] [--warm-cache] [--out benchmarks/results/compiled_step.json]
 
 Each config runs in a fresh process with an empty inductor cache (a user's first load); with
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CACHE_LEN = 400
 CAPACITY = 1024  # the KV buffers' rows
 
@@ -130,7 +130,7 @@ def run_config(config: str, rounds: int, cache: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "out.json"
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        command = [sys.executable, "-m", "benchmarks.bench_compiled_step", "--child", config,
+        command = [sys.executable, "-m", "benchmarks.probes.compiled_step", "--child", config,
                    "--rounds", str(rounds), "--out", str(result)]  # fmt: skip
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:

@@ -2,7 +2,7 @@
 
 Run from the repository root (about 3 minutes on one thread):
 
-    OMP_NUM_THREADS=1 python -m benchmarks.bench_attention [--contexts 300 1100] [--repeats 9] [--device cpu]
+    OMP_NUM_THREADS=1 python -m benchmarks.probes.attention [--contexts 300 1100] [--repeats 9] [--device cpu]
 
 On the embedded target (SmolLM2-135M-Instruct: 9 query heads share 3 KV heads), after a cache of
 each context length, times one forward pass over n = 1, 2, 4, 8, 16 new tokens (rolled back after
@@ -31,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import agentspec
 from agentspec.attention import NAME
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GQA = "enable_gqa"
 IMPLS = ("sdpa", GQA, NAME)
 SIZES = (1, 2, 4, 8, 16)

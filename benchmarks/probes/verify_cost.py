@@ -2,7 +2,7 @@
 
 Run from the repository root (about 5 minutes on 2 cores, 7 GB of memory):
 
-    python -m benchmarks.bench_verify_cost
+    python -m benchmarks.probes.verify_cost
 
 A verify pass feeds the target k new tokens (the last verified one and k - 1 drafted ones) and keeps a
 logits row for each. On a CPU, ``F.linear`` (``x @ W.T``) for a few rows against a large weight (the
@@ -55,7 +55,7 @@ from agentspec.kv import ModelState  # noqa: E402
 from agentspec.models import ModelPair  # noqa: E402
 from benchmarks.bench_core import environment  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SIZES = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64]
 LARGE_SIZES = [1, 2, 4, 8, 16]
 WAYS = {"F.linear": 1, "weight-first": linears.FEW_ROWS}  # the linears.FEW_ROWS each way runs with

@@ -3,7 +3,7 @@ query heads folded into rows of their KV head (``attention._folded_one_row``), s
 
 Run from the repository root (about a minute on 2 cores):
 
-    python -m benchmarks.bench_one_row_attention [--keys 400 2000] [--threads 2 1] [--repeats 200]
+    python -m benchmarks.probes.one_row_attention [--keys 400 2000] [--threads 2 1] [--repeats 200]
         [--out benchmarks/results/one_row_attention.json]
 
 The embedded target's shapes (SmolLM2-135M: 9 query heads over 3 KV heads, 64 dims). For each
@@ -27,7 +27,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from agentspec.bench.run import environment
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEADS, KV_HEADS, DIM = 9, 3, 64
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -2,7 +2,7 @@
 
 Run from the repository root (a few minutes on a CPU: compiling the 135M model is most of it):
 
-    OMP_NUM_THREADS=1 python -m benchmarks.bench_static_draft [--context 256] [--repeats 20] [--device cpu] \
+    OMP_NUM_THREADS=1 python -m benchmarks.probes.static_draft [--context 256] [--repeats 20] [--device cpu] \
         [--capacities 0 512] [--widths 1 5]
 
 For a tiny random Llama and the embedded draft (SmolLM2-135M-Instruct), after a prefill of
@@ -36,7 +36,7 @@ from agentspec.kv import ModelState
 from agentspec.models import ensure_default_model
 from agentspec.static_kv import StaticState
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("dynamic", "static", "compiled")
 
 
