@@ -48,10 +48,9 @@ class Forward(Protocol):
         features: Sequence[int] = (),
     ) -> PassOut:
         """Feed ``ids`` [1, T] after ``cache`` (a solo pass; its rows at ``positions`` [1, T], by default
-        following the cache) or as the rows
-        of ``pack`` (an ``agentspec.packed.PackedPass``: each sequence after its own cache, at its own
-        positions); the logits of the last ``keep`` rows (an int) or of the rows ``keep`` lists, and
-        the ``features`` asked for."""
+        following the cache) or as the rows of ``pack`` (an ``agentspec.packed.PackedPass``: each
+        sequence after its own cache, at its own positions); the logits of the last ``keep`` rows (an
+        int) or of the rows ``keep`` lists, and the ``features`` asked for."""
         ...
 
 

@@ -204,7 +204,12 @@ class ModelState:
     this state's passes are to meet other drafting threads' (``agentspec.scheduler``), else None.
     """
 
-    def __init__(self, forward: Forward | torch.nn.Module, cache: DynamicCache | None = None, ids=None):
+    def __init__(
+        self,
+        forward: Forward | torch.nn.Module,
+        cache: DynamicCache | None = None,
+        ids: list[int] | None = None,
+    ):
         self.model_forward: Forward = (
             PlainForward(forward) if isinstance(forward, torch.nn.Module) else forward
         )

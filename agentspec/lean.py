@@ -133,7 +133,6 @@ class _Layer:
         (q, k, v), o, (gate, up), down = self.parts(layer)
         self.index = index
         self.attn = layer.self_attn  # its attention settings (grouped heads, causal) for agentspec_sdpa
-        self.replaced = [q, k, v, gate, up]  # computed by the fused linears in a pass
         self.qkv, self.gate_up = _fuse([q, k, v]), _fuse([gate, up])
         self.o_proj, self.down_proj = o, down
         self.bind(plain)  # what a pass computes for each of the four (``LeanForward.bind``)

@@ -53,10 +53,8 @@ class PackedPass:
         dtype: torch.dtype,
     ):
         self.states = states
-        # each row's position in its own sequence [1, T]
-        self.positions = torch.cat([torch.arange(h, h + n, device=device) for h, n in zip(held, lengths)])[
-            None
-        ]
+        each = [torch.arange(h, h + n, device=device) for h, n in zip(held, lengths)]
+        self.positions = torch.cat(each)[None]  # each row's position in its own sequence [1, T]
         self.spans: list[tuple[int, int]] = []
         at = 0
         for n in lengths:

@@ -765,17 +765,27 @@ def phase_prefix_cache(speed: Speed) -> dict[str, Any]:
 # ---- the verify pass compiled over our own static state ---------------------------------------
 
 
-def compiled_verify_ms(pair, prefix: list[int], new: list[int], k: int, repeats: int) -> dict[str, Any]:
-    """The target's pass over ``k`` new rows after ``prefix``, compiled over ``StaticState(width=k)``
-    (CUDA graphs on CUDA): compile seconds, median ms, and its logits' largest difference from the
-    pair's eager pass; each pass rolls back by moving the state's length."""
-    model, device = pair.target, pair.device
+def eager_logits(forward, prefix: list[int], new: list[int], sizes) -> dict[int, torch.Tensor]:
+    """The logits [k, V] of the eager pass over each ``k`` new rows after ``prefix`` (prefilled once)."""
+    state = ModelState(forward)
+    state.forward(prefix, keep=1)
+    out = {}
+    for k in sizes:
+        out[k] = state.forward(new[:k], keep=k)
+        state.truncate(len(prefix))
+    return out
+
+
+def compiled_verify_ms(
+    pair, prefix: list[int], new: list[int], want: torch.Tensor, repeats: int
+) -> dict[str, Any]:
+    """The target's pass over ``k = len(want)`` new rows after ``prefix``, compiled over
+    ``StaticState(width=k)`` (CUDA graphs on CUDA): compile seconds, median ms, and its logits' largest
+    difference from ``want``, the eager pass's; each pass rolls back by moving the state's length."""
+    model, device, k = pair.target, pair.device, len(want)
     state = StaticState(model, capacity=len(prefix) + k, compiled=True, width=k)
-    eager = ModelState(pair.target_forward)
     with torch.inference_mode():
         state.forward(prefix, keep=1)  # longer than the width: eager
-        eager.forward(prefix, keep=1)
-        want = eager.forward(new[:k], keep=k)
 
         def once() -> tuple[torch.Tensor, float]:
             torch.compiler.cudagraph_mark_step_begin()
@@ -799,13 +809,14 @@ def phase_compiled_verify(speed: Speed, report: Report) -> dict[str, Any]:
     pair, p = speed.pair, speed.plan
     new = speed.ids[: max(PROFILE_ROWS)]
     eager = step_ms(pair.target_forward, speed.ids, new, PROFILE_ROWS, p.repeats)
+    want = eager_logits(pair.target_forward, speed.ids, new, PROFILE_ROWS)
     out: dict[str, Any] = {"eager_ms": {str(k): v for k, v in eager.items()}, "compiled": {}, "skipped": []}
     need = COMPILE_GUESS_S if p.device.type == "cuda" else 0.0
     for k in PROFILE_ROWS:
         if report.left() <= need:
             out["skipped"].append(k)
             continue
-        row = compiled_verify_ms(pair, speed.ids, new, k, p.repeats)
+        row = compiled_verify_ms(pair, speed.ids, new, want[k], p.repeats)
         row["eager_over_compiled"] = eager[k] / row["median_ms"]
         out["compiled"][str(k)] = row
         need = row["compile_s"]

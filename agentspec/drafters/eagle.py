@@ -90,9 +90,13 @@ class EagleHead(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    def inputs(self, feats: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``fc``'s input [B, T, 2d]: features ``feats`` [B, T, d] beside the embeddings of ``ids`` [B, T]."""
+        return torch.cat([feats.to(self.dtype), self.embed(ids).to(self.dtype)], dim=-1)
+
     def hidden(self, feats, ids, cache=None, attention_mask=None) -> torch.Tensor:
         """[B, T, d] head outputs for features ``feats`` [B, T, d] and token ids [B, T] (see module doc)."""
-        x = self.fc(torch.cat([feats.to(self.dtype), self.embed(ids).to(self.dtype)], dim=-1))
+        x = self.fc(self.inputs(feats, ids))
         out = self.decoder(
             inputs_embeds=x, attention_mask=attention_mask, cache=cache, use_cache=cache is not None
         )
@@ -124,8 +128,7 @@ class EagleForward:
 
     def hidden(self, feats: torch.Tensor, ids: torch.Tensor, cache) -> torch.Tensor:
         """The head's outputs [1, T, d] for features ``feats`` [1, T, d] and ids [1, T] after ``cache``."""
-        dtype = self.head.dtype
-        x = self.fc(torch.cat([feats.to(dtype), self.head.embed(ids).to(dtype)], dim=-1))
+        x = self.fc(self.head.inputs(feats, ids))
         if self.decoder is None:
             return self.head.decoder(inputs_embeds=x, cache=cache, use_cache=True).last_hidden_state
         return self.decoder.hidden(x, cache=cache)

@@ -51,7 +51,9 @@ def test_linears_alone_runs_every_linear_of_a_pass_as_the_pass_does(tiny_llama, 
     assert len(chain) == 4 * model.config.num_hidden_layers + 1 and chain[-1][1] is model.lm_head
     # with the model's linears the fused ones stand for, the chain's are all of the model's
     fused = {id(m) for layer in lean.layers for m in (layer.qkv, layer.gate_up)}
-    replaced = {id(m) for layer in lean.layers for m in layer.replaced}
+    layers = model.model.layers  # the model's own q/k/v and gate/up, which the fused ones compute
+    attn = [(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in layers]
+    replaced = {id(m) for x, qkv in zip(layers, attn) for m in (*qkv, x.mlp.gate_proj, x.mlp.up_proj)}
     ran = {id(linear) for _, linear in chain} - fused | replaced
     assert ran == {id(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     for product, linear in chain:  # each computes its linear
