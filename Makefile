@@ -27,17 +27,18 @@ test: setup vllm lint
 test-all: setup vllm lint
 	$(BIN)/python -m pytest
 
-# every system side by side (quick mode; `--full` on both for the long run): the single calls and the
-# roofline, then the agent loop through LangChain chat models (where LangChain is a dependency)
+# every system side by side: the single calls and the roofline (`agentspec bench`, quick; `--full` for the
+# long run), then the agent loop through LangChain chat models (`python -m benchmarks loop`)
 bench: setup
 	$(BIN)/agentspec bench
-	$(BIN)/python -m benchmarks.bench_langchain_loop
+	$(BIN)/python -m benchmarks loop
 
-# both distributions (agentspec-decode, langchain-agentspec) built as wheels and imported in a clean venv
+# the three distributions (agentspec-toolcalls, agentspec-decode, langchain-agentspec) built as wheels and
+# imported in a clean venv
 wheels:
 	bash scripts/check_wheels.sh
 
 # the wheels a bare GPU machine lacks for benchmarks/gpu_check.py, into the git-ignored .whl/ (needs PyPI;
-# docs/benchmarks.md, "GPU check", has the command to run there)
+# docs/benchmarks.md, "gpu-check", has the command to run there)
 gpu-wheels:
 	bash scripts/prepare_gpu.sh

@@ -12,8 +12,8 @@ tensor), so SDPA runs with the KV heads as they are and any kernel that takes a 
 memory-efficient one, the CPU's) does the work. This is transformers' own ``pack_gqa`` (which it
 uses for one query token, outside ``torch.compile``) extended to several rows. Registered through
 transformers' ``AttentionInterface`` (and ``sdpa``'s mask builder), so a model opts in with
-``model.set_attn_implementation("agentspec_sdpa")``. ``benchmarks/probes/attention.py`` times it
-against ``repeat_kv`` and ``enable_gqa`` on verify passes (logits equal within float32 rounding).
+``model.set_attn_implementation("agentspec_sdpa")``. Timed against ``repeat_kv`` and ``enable_gqa`` on
+verify passes, logits equal within float32 rounding (docs/benchmarks.md, "Design probes").
 Every other case (no mask, position bias, softcap, a per-head mask) is transformers' own path.
 """
 
@@ -72,9 +72,8 @@ def grouped_sdpa_forward(
 
 
 # Where one query row without a mask folds too (``_folds``): on a CPU, SDPA's bfloat16 kernel for a
-# one-row query is several times slower than for a few rows (benchmarks/probes/one_row_attention.py,
-# results/one_row_attention.json); float32's is not, and there transformers' path takes the kernels'
-# own grouped heads
+# one-row query is several times slower than for a few rows (docs/benchmarks.md, "Design probes");
+# float32's is not, and there transformers' path takes the kernels' own grouped heads
 FOLD_ONE_ROW_DTYPES = {torch.bfloat16}
 
 
@@ -156,15 +155,15 @@ def row_by_row(module, query, key, value, dropout=0.0, scaling=None, **kwargs):
 # of ``kv.KEY_BLOCK``) and by how many query rows its call holds (on this AMD EPYC a call of 3 rows, a
 # one-row step's folded groups, sums otherwise than one of 4 or more). So a pass's call of several
 # rows is not its rows' one-row bits, and ``row_by_row`` calls the kernel once per row: 17 calls a
-# layer, each reading every cached key (the largest share of a bfloat16 agent conversation's pass
-# time at issue 29's fifth stop, docs/benchmarks.md).
+# layer, each reading every cached key (which made attention the largest share of a bfloat16 agent
+# conversation's pass time).
 # ``blocked_attention`` gives every call one shape instead, one-row steps and verify passes alike:
 # the keys through the end of their last block (``kv.GrowingLayer.blocks``: zeros or stale keys past
 # the length, masked), the folded rows padded to a multiple of ``ROW_PAD``, and each row's causal
 # end in the mask. A masked key's weight is exactly 0 and adds exactly nothing, so a row's sums are
 # the same whichever call holds it. ``blocked_fits`` checks that on the CPU at hand, once per model,
-# and ``row_by_row`` stays where it does not hold. (``bench_pass`` times the two: its "row by row"
-# variant, results/pass_blocked.json.)
+# and ``row_by_row`` stays where it does not hold. (The pass suite times the two: its "row by row"
+# variant, ``python -m benchmarks pass``.)
 ROW_PAD = 4
 
 

@@ -228,7 +228,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="measure agentspec against transformers generate / assisted generation / prompt lookup "
         "and (optionally) llama.cpp on the same work; writes JSON, Markdown and PNG (the agent loop "
-        "against ChatHuggingFace: python -m benchmarks.bench_langchain_loop)",
+        "against ChatHuggingFace: python -m benchmarks loop)",
     )
     b.add_argument("--full", action="store_true", help="all 8 prompts, longer outputs (~20 min)")
     b.add_argument("--out", default="benchmarks/results/bench", help="path stem of the .json/.md/.png files")

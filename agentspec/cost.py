@@ -43,8 +43,8 @@ passes move its scales by a fixed weight.
 call (lock wait, cache restore and save, drafting, verification), not time the caller spent between
 chunks. Tokens a grammar forced count as baseline passes like any other: plain decoding has no
 jump-forward. Not modelled: tokens decoded past a stop string or a complete tool call, and time lost
-waiting for the pair's lock (counted as measured: it lowers the estimate). The benchmark
-``benchmarks/bench_telemetry.py`` compares the summed estimate with a measured baseline run.
+waiting for the pair's lock (counted as measured: it lowers the estimate). ``python -m benchmarks loop
+--part telemetry`` compares the summed estimate with a measured baseline run.
 """
 
 from __future__ import annotations
@@ -79,13 +79,14 @@ class CostOwner(Protocol):
 
 # --- verify cost: the schedule's price of a pass, in one-row steps --------------------------------------
 
-# T(n)/T(1) measured by benchmarks/bench_core.py (core.json): n new tokens in one target pass
+# T(n)/T(1) measured by the core suite (results/core.json, decode.verify_cost): n new tokens in one
+# target pass
 DEFAULT_VERIFY_COST: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.64), (4, 1.79), (8, 2.68), (16, 3.05))
 DEFAULT_DRAFT_STEP = 0.1  # one draft-model step / one target step, until measured (a 1/10-size draft)
 # On a GPU a batch-1 pass of up to 16 tokens is bound by reading the weights, not by arithmetic (a
 # 7B model in bfloat16: 15 GB read at ~4.8 TB/s is ~3 ms; 16 tokens' 0.24 TFLOP at ~790 TFLOP/s is
 # ~0.3 ms), so verifying costs one step; an eager 0.5B draft step is launch-bound at about 0.3 of an
-# eager 7B step (anchors.md section 9). benchmarks/gpu_check.py measures both on the device.
+# eager 7B step (anchors.md section 9). The gpu-check suite measures both on the device.
 CUDA_VERIFY_COST: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 1.0))
 CUDA_DRAFT_STEP = 0.3
 # the priors of each device kind: what a sampled call's schedule uses whatever ran before it
@@ -218,7 +219,7 @@ SCALE_RANGE = (0.2, 5.0)  # one pass's ratio outside this (of the scale so far) 
 
 # the curves a pair starts from, by device type; an unlisted accelerator uses "cuda"'s
 LATENCY_PRIORS: dict[str, dict[str, float]] = {
-    # the embedded model's calibration on one CPU thread (benchmarks/results/telemetry.json)
+    # the embedded model's calibration on one CPU thread (results/loop.json, telemetry.estimate.calibration)
     "cpu": {"p0": 0.2, "p1": 2.9e-3, "p2": 5.4e-6, "d0": 0.12, "d1": 2e-5},
     # no accelerator calibration is recorded yet: a launch-bound pass, nearly flat in its tokens
     "cuda": {"p0": 0.012, "p1": 2e-5, "p2": 0.0, "d0": 0.01, "d1": 1e-6},

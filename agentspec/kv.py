@@ -95,7 +95,7 @@ def cache_segments(cache: Any, length: int) -> Segments:
 class GrowingLayer(DynamicLayer):
     """transformers' ``DynamicLayer`` with its keys and values in buffers it grows: a pass writes its
     rows in place, where ``DynamicLayer.update`` copies the whole layer with ``torch.cat`` (15% of a
-    float32 one-row step after 400 tokens on a CPU, issue 28), and a roll-back moves the length.
+    float32 one-row step after 400 tokens on a CPU), and a roll-back moves the length.
 
     ``keys``/``values`` stay views of the first ``length`` rows, so every reader of a
     ``DynamicLayer`` (transformers, ``cache_segments``, the prefix cache, which copies what it saves)

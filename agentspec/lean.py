@@ -110,8 +110,8 @@ def _fuse(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
 # Where the norms run as ``F.layer_norm`` over ``[x, -x]`` (``rms_norm``): on a CPU, PyTorch's rms_norm is
 # a composite of about ten ops (casts, pow, mean, rsqrt, two products) and its layer_norm one fused
 # kernel; in these dtypes that kernel's rounding is rms_norm's but for a last bit in under 2% of rows
-# (float32 keeps rms_norm, held bit for bit to transformers' forward). bench_pass times the two
-# (its "rms_norm" variant)
+# (float32 keeps rms_norm, held bit for bit to transformers' forward). The pass suite times the two
+# (``python -m benchmarks pass``, its "rms_norm" variant)
 LAYER_NORM_DTYPES = {torch.bfloat16, torch.float16}
 
 
@@ -210,8 +210,7 @@ class LeanForward:
 
     def bind(self, product: Callable[[torch.nn.Linear], Callable[[torch.Tensor], torch.Tensor]]) -> None:
         """Compute each linear (the fused ones, o, down, the LM head) in passes as ``product(linear)``:
-        the pair's ``linears.PassLinears.product``, settled once here (bench_pass's variants bind
-        others)."""
+        the pair's ``linears.PassLinears.product``, settled once here."""
         for layer in self.layers:
             layer.bind(product)
         if self.lm_head is not None:

@@ -26,8 +26,8 @@ WEIGHT_FIRST_DTYPES = {torch.float32}
 # share of the host's available memory at load (``PassLinears``)
 PACKED_MEMORY_SHARE = 0.25
 # float32 CPU linears get one too from this size: below it F.linear's kernel is as fast or faster at one
-# row and the packed one no faster at a few (linears_by_size in benchmarks/results/verify_cost_packed.json);
-# a 1.27 MiB projection packed made whole passes 3-5% faster (bench_pass's "packed from 2 MiB" variant)
+# row and the packed one no faster at a few (docs/benchmarks.md, "Design probes": verify_cost); a 1.27
+# MiB projection packed made whole passes 3-5% faster (the pass suite's "packed from 2 MiB" variant)
 MIN_PACKED_FLOAT32_BYTES = 1 << 20
 # The most new rows a bfloat16 CPU pass computes each exactly as a one-row pass does (``PackedWeight``,
 # ``attention.row_by_row``): a verify pass's (the last verified token and its drafts); a prefill,
@@ -183,13 +183,13 @@ class PassLinears:
     - **float32, weight-first**: ``F.linear`` computes ``x @ W.T``. On a CPU, for a few rows against
       a weight larger than the caches (an LM head; every projection of a 7B model), that kernel runs
       2-4x slower than for one row, while ``W @ x.T`` costs little more than one row
-      (``benchmarks/probes/verify_cost.py``). A verify pass has 2-17 rows, so this is much of its extra
+      (docs/benchmarks.md, "Design probes"). A verify pass has 2-17 rows, so this is much of its extra
       cost. Same product, another summation order; one-row passes (plain decoding) and prefills keep
       ``F.linear``. Linears whose weight holds at least MIN_WEIGHT_BYTES.
     - **bfloat16, prepacked**: ``F.linear`` in bfloat16 hands oneDNN the weight in its plain layout on
       every call; oneDNN's own blocked layout, made once here (``mkldnn._reorder_linear_weight``, as
       torch.compile's CPU backend does when it freezes weights), computes the same product with the
-      CPU's bf16 instructions at 1.1-1.6x the speed over 1-17 rows (``benchmarks/bench_pass.py``).
+      CPU's bf16 instructions at 1.1-1.6x the speed over 1-17 rows (``python -m benchmarks pass``).
       The packed copy doubles those weights' memory, so it is made only while the copies fit in
       PACKED_MEMORY_SHARE of the host's available memory (a 7B model's 14 GB mostly would not).
       Each shape is packed the way that gives a verify pass's rows one-row products' bits on this

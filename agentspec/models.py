@@ -137,8 +137,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
     """The dtype ``load_pair(dtype=None)`` loads in: ``$AGENTSPEC_DTYPE`` where set (a name, as
     ``dtype`` takes), else bfloat16 on a GPU and float32 on a CPU.
 
-    On a CPU with bfloat16 instructions bfloat16 is faster end to end (1.38x on the 12-call agent
-    conversation, docs/benchmarks.md, "The pass") and its speculative decoding is token-identical to
+    On a CPU with bfloat16 instructions bfloat16 is faster end to end (1.40x on the 12-call agent
+    conversation, docs/benchmarks.md, "vllm") and its speculative decoding is token-identical to
     its plain decoding (``attention.row_by_row``), but a prefix-cache hit is not bit-identical to a
     cold prefill there: the cached keys were computed by other passes, and bfloat16's rounding turns
     that into other tokens at near-ties (the demo agent's replies differed). float32 keeps every path

@@ -44,14 +44,14 @@ LOOKAHEAD = 4  # Steps a member may run ahead of its caller before it sits out p
 DRAFTING_THREADS = 32  # members drafting at once (a wave); their draft-model steps are packed together
 # prompt tokens a joining member feeds per pass while others decode, by device kind: on this CPU a
 # 4,000-token prompt joining 4 decoding calls kept their p90 time between tokens at 1.18x their
-# median with 64, and at 9.9x with 256 (benchmarks/results/join.json); a GPU's passes take far more
+# median with 64, and at 9.9x with 256 (results/concurrency.json, join); a GPU's passes take far more
 # rows for the time of one (vLLM's default budget there is thousands of tokens)
 PREFILL_CHUNKS = {"cpu": 64}
 PREFILL_CHUNK = 512  # any other device
 # None: calls draft under load as they would alone. A bound of 2 one-row passes' worth of rows cut the
 # drafts of 8 agent sessions to about nothing and lost a third of their throughput on this CPU
-# (benchmarks/results/concurrency*.json): their suffix drafts are mostly accepted, which a bound by
-# cost alone cannot see. Set ``Scheduler.load_factor`` to bound them.
+# (docs/benchmarks.md, "concurrency"): their suffix drafts are mostly accepted, which a bound by cost
+# alone cannot see. Set ``Scheduler.load_factor`` to bound them.
 LOAD_FACTOR: float | None = None
 
 

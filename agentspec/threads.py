@@ -7,7 +7,7 @@ idle workers no longer spin between parallel regions but sleep (its "throttled" 
 ``OMP_WAIT_POLICY`` says), so every parallel op of a pass pays for waking them. agentspec's passes run
 in the scheduler's thread, while the caller's thread loads the model, restores and saves prefixes, and
 drafting threads step a draft model: each keeps a pool, and a bfloat16 one-row pass on a 2-core CPU
-took 1.7x as long beside one idle pool as alone (``benchmarks/probes/thread_pools.py``).
+took 1.7x as long beside one idle pool as alone (docs/benchmarks.md, "Design probes").
 
 ``omp_pause_resource_all`` (OpenMP 5.0) frees the calling thread's pool in libgomp (its workers
 exit); the thread's next parallel op builds a new one. The library calls ``release_pool`` wherever a

@@ -2,8 +2,8 @@
 
 A model's first passes pay for what is done once: the allocator grows its pools for the KV cache
 and the activations, oneDNN and MKL pick (and on a CPU JIT-compile) their kernels for each
-(weight, rows) shape, and lazily imported code is imported. Measured by
-``benchmarks/bench_vs_vllm.py`` (the first call against a later one, and the warm-up's share of the load).
+(weight, rows) shape, and lazily imported code is imported. Measured by ``python -m benchmarks vllm
+--part first_call`` (the first call against a later one, and the warm-up's share of the load).
 
 ``warm_up`` runs at load (``load_pair``) the kinds of pass a call runs: a few rows with their logits
 (a prefill's and a verify pass's shapes) and a one-row step through the target, with the features an
@@ -29,8 +29,8 @@ from agentspec.threads import release_pool
 # The passes run at load: PREFILL_ROWS tokens with a logits row each (a prefill's shapes, and a verify
 # pass's few-row LM head), then one of each VERIFY_ROWS size (a plain decode step). Few passes: what a
 # first pass pays once is about 0.05 s here whatever its rows, while each pass reads every weight, and
-# the warm-up is to stay within a fifth of the load (bench_vs_vllm's warm_up_over_load: three passes
-# measured 0.38-0.55 s on a 1.1-1.4 s load).
+# the warm-up is to stay within a fifth of the load (the vllm suite's ``warm_up_over_load``: three
+# passes took 0.38-0.55 s of a 1.1-1.4 s load).
 PREFILL_ROWS = 8
 VERIFY_ROWS = (1,)
 

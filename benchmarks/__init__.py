@@ -1,6 +1,4 @@
-"""Side-by-side measurements that write JSON and plots to ``benchmarks/results/``.
-
-One package: run each script from the repository root as ``python -m benchmarks.<script>``; the
-scripts share helpers by package imports (``benchmarks.agent_traces``, ``benchmarks.bench_core``,
-``benchmarks.grammar_tasks``).
+"""The suites that measure agentspec beside what users would pick instead; ``python -m benchmarks`` lists
+them (``__main__.py``). They share ``harness`` (arguments, the machine, output, servers, calls) and
+``workloads`` (agent traces, grammar tasks, questions); no suite imports another.
 """

@@ -47,6 +47,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydantic import BaseModel, Field
 
 import agentspec
+from agentspec.bench.run import environment
 from agentspec.cost import calibrate
 from agentspec.telemetry import attributes as A
 from langchain_agentspec import ChatSpecDecode
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             "speedup": round(t_base / t_fast, 3),
             "saved_estimated_s": round(saved, 3),
             "calls": m_fast.calls,
+            "environment": environment(pair),  # the CPU, threads, versions and commit it ran on
         }
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -23,6 +23,9 @@ else
   "${PIP[@]}" install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 
-# the engine (agentspec-decode) and the LangChain integration (langchain-agentspec), both editable
+# the tool-call parser (agentspec-toolcalls), which the other two depend on, first, so that pip takes
+# this checkout's rather than looking for it on an index; then the engine (agentspec-decode) and the
+# LangChain integration (langchain-agentspec); all three editable
+"${PIP[@]}" install -q -e ./toolcalls
 "${PIP[@]}" install -q -e ".[dev,serve]" -e "./integrations/langchain[local,remote,test]"
 "$VENV/bin/agentspec" fetch

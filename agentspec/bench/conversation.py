@@ -163,7 +163,7 @@ TURNS = [
     ),
 ]
 
-# Four more turns after TURNS, for a 12-call conversation (``LONG_TURNS``, bench_vs_vllm): apart,
+# Four more turns after TURNS, for a 12-call conversation (``LONG_TURNS``, the vllm suite): apart,
 # so that the benchmarks and tests that replay all of TURNS keep measuring the same 8 calls.
 EXTRA_TURNS = [
     ("user", "Customer C-884 also wants 5 MS-12 mice on order A-10177. Do we have them?"),

@@ -3,7 +3,7 @@
 Two correct computations of the same model (bfloat16 kernels that sum in another order, a verify
 pass over k rows against ``generate()``'s one row) can pick different argmaxes only where the top two
 logits nearly tie; a bug flips choices whatever the margin. ``logit_margin`` at the first divergent
-position tells the two apart: ``benchmarks/gpu_check.py`` reports it with each divergence, and
+position tells the two apart: the gpu-check suite reports it with each divergence, and
 ``tests/model/test_dtype_lossless.py`` bounds it in bfloat16.
 """
 

@@ -1,7 +1,7 @@
 """From raw measurements to figures: summaries, goals, a Markdown table and PNG plots.
 
-The agent loop's summary, goal and plot live with its rows (``benchmarks/bench_langchain_loop.py``), which
-reuse ``goal_rows``, ``fmt`` and ``finish_plot``.
+The agent loop's summary, goal and plot live with its rows (the loop suite, ``benchmarks/loop.py``),
+which reuse ``goal_rows``, ``fmt`` and ``finish_plot``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# The single-call goals of issue 9, as (key, what, threshold): ratios measured in the same run.
+# The single-call goals, as (key, what, threshold): ratios measured in the same run.
 GOALS = (
     ("single_vs_assisted", "single calls: agentspec auto vs transformers assisted (same draft)", 1.3),
     ("agent_turns_vs_generate", "agent turns: agentspec auto vs plain transformers generate()", 2.0),

@@ -9,8 +9,8 @@
 
 Writes ``<out>.json`` (every figure and the environment), ``<out>.md`` and PNG plots beside them.
 The agent loop through LangChain chat models (``workloads.agent_loop``: agentspec full and baseline
-against ``ChatHuggingFace``) is ``python -m benchmarks.bench_langchain_loop``, where LangChain is a
-dependency; ``make bench`` runs both.
+against ``ChatHuggingFace``) is ``python -m benchmarks loop``, where LangChain is a dependency;
+``make bench`` runs both.
 """
 
 from __future__ import annotations

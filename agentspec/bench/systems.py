@@ -8,7 +8,7 @@ a cold prompt (agentspec with ``prefix_cache=False``), so their tokens must agre
 
 llama.cpp (``llama-cpp-python``, an optional extra) runs the same GGUF file as an outside
 reference. The agent loop's systems are LangChain chat models: they live beside the other
-benchmarks (``benchmarks/bench_langchain_loop.py``).
+benchmarks (the loop suite, ``python -m benchmarks loop``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ edit), as an agent's turns often do. ``agent_loop`` is a tool-calling conversati
 ~1,200-token system prompt of ``conversation.py``: four user requests, each answered by a tool call,
 its result, then an answer, so 8 model calls whose prompts share a growing prefix. Messages are
 OpenAI-format dicts (role, content, tool_calls, tool_call_id): the LangChain agent-loop rows
-(``benchmarks/bench_langchain_loop.py``) convert them to LangChain messages.
+(the loop suite, ``benchmarks/loop.py``) convert them to LangChain messages.
 """
 
 from __future__ import annotations

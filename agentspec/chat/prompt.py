@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentspec.chat.tool_calls import CLOSE, OPEN
+from agentspec_toolcalls import CLOSE, OPEN
 
 FALLBACK_TOOLS_PROMPT = """# Tools
 

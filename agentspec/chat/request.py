@@ -27,10 +27,10 @@ from typing import Any
 
 from agentspec import grammar as G
 from agentspec.chat.prompt import Prompt, render
-from agentspec.chat.tool_calls import CLOSE, OPEN, Event, ToolCallSplitter
 from agentspec.config import GenerationConfig
 from agentspec.decode import ContextLengthExceeded, context_room
 from agentspec.models import ModelPair
+from agentspec_toolcalls import CLOSE, OPEN, Event, ToolCallSplitter
 
 log = logging.getLogger(__name__)
 

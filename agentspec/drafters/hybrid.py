@@ -46,7 +46,8 @@ from agentspec.kv import ModelState
 # auto's suffix candidates may run 3x the match length (the suffix drafter alone: 1x). Auto cuts
 # every candidate to its best prefix by calibrated survival and verify cost, so a longer candidate
 # costs nothing when unsure and pays when a short match continues with certainty; replaying the
-# agent traces (benchmarks/sim_drafters.py) gave +6-10% over 1x in every domain, with 2-4 alike.
+# agent traces offline (docs/benchmarks.md, "Design probes") gave +6-10% over 1x in every domain,
+# with 2-4 alike.
 CANDIDATE_FACTOR = 3.0
 MATCH_GROUPS = (3, 6, 12)  # match-length buckets for the suffix calibration: 1-2, 3-5, 6-11, 12+
 

@@ -72,7 +72,7 @@ from agentspec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-# sequences running on the pair at once: room for the 16 concurrent agent sessions
+# sequences running on the pair at once: room for 16 concurrent agent sessions
 DEFAULT_MAX_NUM_SEQS = 16
 SESSION_HEADER = "x-session-id"  # the caller's conversation id, as routers read it for session affinity
 RETRY_AFTER_S = 1  # a full server's (or a key's full share's) hint: a request decodes in seconds here

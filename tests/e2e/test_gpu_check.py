@@ -1,5 +1,5 @@
-"""``benchmarks/gpu_check.py --device cpu --quick``: the device check's CPU mode, run as the GPU
-machine runs it (a file, a fresh process), and its JSON read back."""
+"""``python -m benchmarks gpu-check --device cpu --quick``: the device check's CPU mode in a fresh process,
+its JSON read back."""
 
 from __future__ import annotations
 
@@ -16,19 +16,10 @@ PHASES = [
 
 
 def test_the_quick_cpu_run_reports_every_phase(tmp_path):
-    """In the default suite: a phase that errors (as the identity phase's deepcopy of a pair's model
-    once did) fails CI, not a later GPU lease."""
+    """In the default suite: a phase that errors fails CI, not a later GPU lease."""
     out = tmp_path / "gpu_check.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "gpu_check.py"),
-        "--device",
-        "cpu",
-        "--quick",
-        "--out",
-        str(out),
-    ]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "benchmarks", "gpu-check", "--device", "cpu", "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(out.read_text())
     phases = data["phases"]

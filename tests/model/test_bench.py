@@ -1,4 +1,4 @@
-"""``agentspec bench`` and the LangChain agent loop beside it (``benchmarks.bench_langchain_loop``): their
+"""``agentspec bench`` and the LangChain agent loop beside it (``python -m benchmarks loop``): their
 workloads, their arithmetic, and (slow) a whole short run of both on the real pair."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import agentspec
 from agentspec.bench import report, roofline, systems, workloads
 from agentspec.bench.conversation import prompt_ids
 from agentspec.bench.run import Settings, run
-from benchmarks import bench_langchain_loop as loop_bench
+from benchmarks import loop as loop_bench
 
 
 @pytest.fixture(scope="module")
@@ -134,13 +134,14 @@ def test_goals_report_every_figure_met_or_not():
 @pytest.mark.slow
 @pytest.mark.model
 def test_a_short_run_writes_json_markdown_and_plots(tmp_path):
-    out, loop_out = tmp_path / "bench", tmp_path / "bench_agent_loop"
+    out, loop_out = tmp_path / "bench", tmp_path / "loop.json"
     result = run(Settings(mode="quick", max_new_tokens=8, out=out))
-    loop = loop_bench.run(loop_out, loop_max_new_tokens=6)
+    assert loop_bench.main(["--max-new-tokens", "6", "--out", str(loop_out)]) == 0  # full equals baseline
+    loop = json.loads(loop_out.read_text())["loop"]
     assert all(result["single"]["identical_to_generate"].values()), result["single"]["identical_to_generate"]
-    assert loop["loop"]["full_equals_baseline"]
     assert set(loop["loop"]["total_seconds"]) == {"agentspec full", "agentspec baseline", "ChatHuggingFace"}
-    for o, r in ((out, result), (loop_out, loop)):
-        assert json.loads(o.with_suffix(".json").read_text())["goals"] == r["goals"]
-        assert "## Goals" in o.with_suffix(".md").read_text()
-        assert all((tmp_path / p).exists() for p in r["plots"])
+    assert json.loads(out.with_suffix(".json").read_text())["goals"] == result["goals"]
+    assert "## Goals" in out.with_suffix(".md").read_text()
+    assert all((tmp_path / p).exists() for p in result["plots"])
+    assert [g["goal"].split(":")[0] for g in loop["goals"]] == ["agent loop"]
+    assert (tmp_path / "loop.png").exists()

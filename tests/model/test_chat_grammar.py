@@ -15,7 +15,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
 import agentspec
 from agentspec.grammar import GrammarError
-from benchmarks.grammar_tasks import PROMPTS, STRUCTURED, TOOLS, City, multiply
+from benchmarks.workloads import PROMPTS, STRUCTURED, TOOLS, City, multiply
 from langchain_agentspec import ChatSpecDecode
 
 pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_thread")]

@@ -12,8 +12,8 @@ from agentspec.bench.conversation import (
     prompt_ids,
     tool_choice_for_call,
 )
+from agentspec.chat import parse_reply
 from agentspec.chat.request import prepare
-from agentspec.chat.tool_calls import parse_reply
 from agentspec.kv import common_prefix_len
 
 pytestmark = pytest.mark.model

@@ -534,8 +534,8 @@ def _check_estimates_itself(span, steps: list[Step], expected: CostModel) -> Non
     assert a[A.BASELINE_ESTIMATE] == pytest.approx(baseline_seconds(expected, stats), rel=1e-9)
     assert a[A.COST_SOURCE] == expected.source
     assert a[A.LATENCY_SAVED] == pytest.approx(a[A.BASELINE_ESTIMATE] - a[A.DECODE_TIME])
-    # how near the estimate lands to the measurement is the benchmark's figure (bench_telemetry.py:
-    # its baseline runs' own latency_saved_s), not a threshold a busy machine could cross
+    # how near the estimate lands to the measurement is a benchmark's figure (the loop suite's telemetry
+    # part: its baseline runs' own latency_saved_s), not a threshold a busy machine could cross
 
 
 def test_a_plain_call_estimates_itself_on_a_given_curve(chat_pair, otel):

@@ -1,70 +1,73 @@
-"""``benchmarks/before_after.py``'s reply comparison between two commits, on hand-written run outputs."""
+"""``python -m benchmarks before-after``: the commands each checkout's layout gets, and the reply
+comparison between two checkouts, on hand-written run outputs."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.before_after import (
-    all_replies_identical,
-    check_dtype,
-    compare_replies,
-    trace_replies,
-    traces_job,
-)
+from benchmarks.before_after import agents_summary, compare_replies, loop_job, traces_job
 
 
-def _turns(*texts: str, ids: bool = True) -> list[dict]:
-    """A trace run's turns: turn i's plain reply is texts[i] (its token ids: one id per character)."""
-    turns = [{"trace": "t", "turn": i, "output_text": text} for i, text in enumerate(texts)]
-    for turn in turns if ids else []:
-        turn["output_token_ids"] = [ord(c) for c in turn["output_text"]]
-    return turns
+def _replies(*texts: str) -> list:
+    """A trace run's replies: turn i's plain reply is texts[i], as token ids (one id per character)."""
+    return [[f"t#{i}", [ord(c) for c in text]] for i, text in enumerate(texts)]
 
 
-def test_equal_replies_are_compared_by_token_ids_where_both_runs_wrote_them():
-    same = compare_replies(trace_replies(_turns("ab", "cd")), trace_replies(_turns("ab", "cd")))
+def _tree(tmp_path: Path, *files: str) -> Path:
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    return tmp_path
+
+
+def test_equal_replies_are_identical():
+    same = compare_replies(_replies("ab", "cd"), _replies("ab", "cd"), "token_ids")
     assert same == {"replies_identical": True, "replies_compared": "token_ids", "replies": 2}
 
 
-def test_a_run_without_token_ids_is_compared_by_text_and_the_first_difference_is_named():
-    older, newer = trace_replies(_turns("ab", "cx", "ee", ids=False)), trace_replies(_turns("ab", "cd", "ff"))
-    out = compare_replies(older, newer)
-    assert out["replies_identical"] is False and out["replies_compared"] == "text"
-    assert out["first_difference"] == {"index": 1, "reply": "t#1", "before": "cx", "after": "cd"}
+def test_the_first_difference_is_named():
+    out = compare_replies(_replies("ab", "cx", "ee"), _replies("ab", "cd", "ff"), "token_ids")
+    assert out["replies_identical"] is False
+    assert out["first_difference"] == {"index": 1, "reply": "t#1", "before": [99, 120], "after": [99, 100]}
 
 
 def test_a_missing_reply_is_a_difference():
-    out = compare_replies(trace_replies(_turns("ab")), trace_replies(_turns("ab", "cd")))
+    out = compare_replies(_replies("ab"), _replies("ab", "cd"), "token_ids")
     assert out["replies_identical"] is False
-    assert out["first_difference"] == {
-        "index": 1,
-        "reply": "t#1",
-        "before": None,
-        "after": [ord("c"), ord("d")],
-    }
+    assert out["first_difference"] == {"index": 1, "reply": "t#1", "before": None, "after": [99, 100]}
 
 
-def test_an_output_without_replies_is_null_with_a_reason():
-    before = trace_replies([{"trace": "t", "turn": 0}])  # an older commit's run: no replies written
-    assert before is None
-    out = compare_replies(before, trace_replies(_turns("ab")))
-    assert out["replies_identical"] is None and "before" in out["replies_reason"]
-
-
-def test_the_summary_is_false_on_any_difference_else_null_on_any_unknown():
-    jobs = [{"replies_identical": v} for v in (True, None, False)]
-    assert all_replies_identical(jobs) is False
-    assert all_replies_identical(jobs[:2]) is None
-    assert all_replies_identical(jobs[:1]) is True
-
-
-def test_dtype_is_passed_where_the_checkout_takes_it_and_a_run_in_another_stops(tmp_path):
+def test_a_trace_runs_the_traces_suite_or_the_script_it_replaced(tmp_path):
     out = tmp_path / "o.json"
-    assert "--dtype" not in traces_job(Path("."), "t", "none", None, out)  # a checkout from before --dtype
-    assert traces_job(Path("."), "t", "none", "bfloat16", out)[-2:] == ["--dtype", "bfloat16"]
-    check_dtype("auto", "before", "torch.float32")  # auto: each checkout's own default
-    check_dtype("float32", "before", "torch.float32")
-    with pytest.raises(RuntimeError, match="the before checkout ran in torch.float32"):
-        check_dtype("bfloat16", "before", "torch.float32")
+    suites = traces_job(_tree(tmp_path / "new", "benchmarks/__main__.py"), "t", "none", "auto", out)
+    assert suites[:4] == [sys.executable, "-m", "benchmarks", "traces"]
+    assert suites[4:] == ["--traces", "t", "--configs", "none", "--dtype", "auto", "--out", str(out)]
+    script = traces_job(_tree(tmp_path / "old", "benchmarks/__init__.py"), "t", "none", "bfloat16", out, 4)
+    assert script[1:3] == ["-m", "benchmarks.bench_agent_traces"]
+    assert script[-2:] == ["--max-new-tokens", "4"] and "bfloat16" in script
+
+
+def test_the_loop_runs_from_the_checkouts_module_and_a_layout_without_one_stops(tmp_path):
+    assert loop_job(_tree(tmp_path / "new", "benchmarks/loop.py"), 8, "auto")[-3:] == [
+        "8",
+        "auto",
+        "benchmarks.loop",
+    ]
+    old = _tree(tmp_path / "old", "benchmarks/bench_langchain_loop.py")
+    assert loop_job(old, 8, "auto")[-1] == "benchmarks.bench_langchain_loop"
+    with pytest.raises(RuntimeError, match="a layout this benchmark cannot run"):
+        loop_job(_tree(tmp_path / "older", "integrations/langchain/langchain_agentspec/bench.py"), 8, "auto")
+
+
+def test_the_summary_sums_seconds_per_configuration_and_is_false_on_any_reply_difference():
+    def side(seconds: float) -> dict:
+        return {"all_identical": True, "configs": {"none": {"seconds": seconds}}}
+
+    trace = {"before": side(3.0), "after": side(2.0), "replies_identical": True}
+    result = {"configs": "none", "traces": {"a": trace, "b": {**trace, "replies_identical": False}}}
+    out = agents_summary(result)
+    assert out["agent_traces"]["none"] == {"before_s": 6.0, "after_s": 4.0, "before_over_after": 1.5}
+    assert out["identical"] and out["all_replies_identical"] is False

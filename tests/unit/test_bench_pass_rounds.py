@@ -1,11 +1,11 @@
-"""``benchmarks.bench_pass``' interleaved rounds: each side goes first in turn, and each round's
-ratios are agentspec's step over each vLLM engine's."""
+"""``benchmarks.forward_pass``' interleaved rounds (``python -m benchmarks pass``): each side goes
+first in turn, and each round's ratios are agentspec's step over each vLLM engine's."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import bench_pass
+from benchmarks import forward_pass as bench_pass
 
 
 def test_two_sides_alternate_with_vllm_first_in_round_zero():

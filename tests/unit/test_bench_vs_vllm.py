@@ -1,5 +1,6 @@
-"""``benchmarks/bench_vs_vllm.py`` without a model or a server: the same-transcript mode (every
-system reads the same prompts whatever it wrote) and the like-for-like figures of the report."""
+"""``benchmarks/vs_vllm.py`` (``python -m benchmarks vllm``) without a model or a server: the
+same-transcript mode (every system reads the same prompts whatever it wrote) and the like-for-like
+figures of the report."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import bench_vs_vllm as bench
+from benchmarks import vs_vllm as bench
 
 TRANSCRIPT = ["fixed reply 0", "fixed reply 1", "fixed reply 2"]
 
@@ -60,8 +61,8 @@ def test_the_vllm_path_passes_the_transcript_on(monkeypatch):
         prompts.append(ids)
         return {"seconds": 0.5, "text": "vllm's", "prompt_tokens": 1, "cached_tokens": 0, "output_tokens": 1}
 
-    monkeypatch.setattr(bench, "completion_turn", fake_turn)
-    monkeypatch.setattr(bench, "openai_client", lambda url: None)
+    monkeypatch.setattr(bench.harness, "completion_turn", fake_turn)
+    monkeypatch.setattr(bench.harness, "client", lambda url: None)
     monkeypatch.setattr(bench, "rendered_ids", lambda tokenizer, messages: messages)
     out = bench.run_vllm("http://unused", "model", None, 8, 3, TRANSCRIPT)
     assert prompts == [bench.call_messages(n, TRANSCRIPT[:n]) for n in range(3)]
@@ -69,10 +70,10 @@ def test_the_vllm_path_passes_the_transcript_on(monkeypatch):
 
 
 def test_the_shipped_transcript_covers_the_conversation(tmp_path):
-    path = bench.ROOT / "benchmarks/conversation_transcript.json"
+    path = bench.harness.ROOT / "benchmarks/conversation_transcript.json"
     replies = bench.load_transcript(path, len(bench.convo.LONG_TURNS))
     assert len(replies) == len(bench.convo.LONG_TURNS) and all(isinstance(r, str) and r for r in replies)
-    assert "vs_vllm.json" in json.loads(path.read_text())["source"]
+    assert "results/vllm.json" in json.loads(path.read_text())["source"]
     args = bench.parse(["--calls", "3", "--transcript", str(path)])
     assert args.fixed == replies and args.transcript == path
     assert bench.parse([]).fixed is None and bench.parse([]).transcript is None
@@ -121,12 +122,11 @@ def test_same_work_is_none_without_an_equal_call_or_without_both_systems():
 
 
 def per_dtype(runs: dict[str, list[dict]]) -> dict:
-    conversation = {"runs": runs, "replies": bench.compare_replies(runs)}
-    return {"first_call": [], "conversation": conversation, "same_work": bench.same_work(runs)}
+    return {"runs": runs, "replies": bench.compare_replies(runs), "same_work": bench.same_work(runs)}
 
 
 def test_the_goals_and_the_table_hold_the_like_for_like_figures():
-    goals = bench.dtype_goals("bfloat16", per_dtype(RUNS))
+    goals = bench.conversation_goals("bfloat16", per_dtype(RUNS))
     assert goals == {
         "conversation_vllm_over_agentspec_bfloat16": {"value": 2.0, "goal": ">= 1.5", "met": True},
         # agentspec 30 tokens in 6 s, vLLM 36 in 12 s: 5 tok/s over 3
@@ -134,11 +134,22 @@ def test_the_goals_and_the_table_hold_the_like_for_like_figures():
         "conversation_same_work_vllm_over_agentspec_bfloat16": {"value": 2.0, "goal": ">= 1.5", "met": True},
     }
     result = {"transcript": "t.json", "goals": goals, "dtypes": {"bfloat16": per_dtype(RUNS)}}
-    text = bench.table(result)
+    text = bench.conversation_table(result)
     assert "same work, calls [0, 2]: agentspec 4.00 s, vllm 8.00 s, vllm/agentspec 2.000" in text
-    assert "conversation_per_token_vllm_over_agentspec_bfloat16" in text
     assert "every call's earlier replies from t.json" in text
 
 
 def test_agentspec_alone_has_no_conversation_goal():
-    assert bench.dtype_goals("float32", per_dtype({"agentspec": RUNS["agentspec"]})) == {}
+    assert bench.conversation_goals("float32", per_dtype({"agentspec": RUNS["agentspec"]})) == {}
+
+
+def test_first_call_goals_take_the_worst_size_and_the_largest_warm_up_share():
+    def row(ratio: float, warm_ups: tuple[float, float]) -> dict:
+        return {"first_over_later": ratio, "runs": [{"load_s": 1.0, "warm_up_s": w} for w in warm_ups]}
+
+    goals = bench.first_call_goals("float32", [row(1.02, (0.1, 0.1)), row(1.2, (0.1, 0.2))])
+    assert goals == {
+        "first_over_later_float32": {"value": 1.2, "goal": "<= 1.1", "met": False},
+        "warm_up_over_load_float32": {"value": 0.25, "goal": "<= 0.2", "met": False},  # 0.2 / (1 - 0.2)
+    }
+    assert bench.first_call_goals("float32", []) == {}

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from agentspec import chat
-from agentspec.chat.tool_calls import ToolCallSplitter
+from agentspec.chat import ToolCallSplitter
 
 ADD = {
     "type": "function",

@@ -141,6 +141,9 @@ class Answer(BaseModel):
 llm = ChatSpecDecode()
 llm.bind_tools([add], tool_choice="any")
 llm.with_structured_output(Answer)
+# the parser is its own distribution (agentspec-toolcalls), so tool calls read without the engine
+parsed = langchain_agentspec.parse_tool_calls('<tool_call>{"name": "add", "arguments": {}}</tool_call>')
+assert [c["name"] for c in parsed.tool_calls] == ["add"], parsed
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in {"agentspec", "torch", "transformers"})
 assert not loaded, loaded
 named = ChatSpecDecode(model="m")  # its first call reaches the engine in _stream, past the model name

@@ -1,5 +1,5 @@
 """Every dotted name the docs cite in code spans (``agentspec.kv.ModelState``, ``decode._land``,
-``lean.LeanForward.bind``) names something that exists: a module of either package, and each
+``lean.LeanForward.bind``) names something that exists: a module of one of our packages, and each
 attribute after it. Not ours to check: a name whose first part is no module of ours
 (``torch.compile``, ``pair.scheduler``), a file (``bench.json``), a span attribute or JSON field
 under the bare package name (``agentspec.draft_tokens``), and a short name that is also a common
@@ -14,10 +14,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "integrations/langchain/README.md"]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "integrations/langchain/README.md",
+    ROOT / "toolcalls/README.md",
+]
 PACKAGES = {
     "agentspec": ROOT / "agentspec",
     "langchain_agentspec": ROOT / "integrations/langchain/langchain_agentspec",
+    "agentspec_toolcalls": ROOT / "toolcalls/agentspec_toolcalls",
 }
 SPAN = re.compile(r"`([^`\n]+)`")
 DOTTED = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)+")
@@ -27,7 +33,7 @@ SHORT = {
     "kv", "decode", "lean", "linears", "forward", "packed", "attention", "models", "scheduler", "cost",
     "static_kv", "draft_folder", "warm", "threads", "grammar", "verify", "sampling", "logprobs", "radix",
     "replay", "passes", "roofline", "syncs", "eagle", "hybrid", "suffix", "prompt_lookup", "registry",
-    "tenants", "schedule", "tool_calls", "protocol", "worker", "replies", "workers", "otel",
+    "tenants", "schedule", "protocol", "worker", "replies", "workers", "otel",
 }  # fmt: skip
 
 

