@@ -1,4 +1,4 @@
-"""A lean decoder forward for agentspec's own passes on Llama-family models (Llama, Qwen2).
+"""A lean decoder forward for agentspec's own passes on Llama-family models (Llama, Qwen2, Qwen3).
 
 Why our own: transformers' eager forward of one decode step is thousands of small ops and module
 calls (mask building, per-layer kwargs, separate q/k/v and gate/up products, an 8-op RMSNorm), which
@@ -52,9 +52,14 @@ from agentspec.linears import plain
 from agentspec.packed import causal_mask
 
 # The model classes whose decoder layers this forward reproduces, with their decoder stacks' classes:
-# pre-norm RMSNorm, rotary q/k, SiLU gated MLP, optional q/k/v bias (Qwen2); a family with anything
-# more (q/k norms, sliding windows, soft-capping) keeps transformers' forward
-FAMILIES = {"LlamaForCausalLM": "LlamaModel", "Qwen2ForCausalLM": "Qwen2Model"}
+# pre-norm RMSNorm, rotary q/k, SiLU gated MLP, optional q/k/v bias (Qwen2, Qwen3), each head's q and k
+# RMS-normed before the rotation (Qwen3); a family with anything more (sliding windows, soft-capping)
+# keeps transformers' forward
+FAMILIES = {
+    "LlamaForCausalLM": "LlamaModel",
+    "Qwen2ForCausalLM": "Qwen2Model",
+    "Qwen3ForCausalLM": "Qwen3Model",
+}
 
 
 def supported(model: Any) -> bool:
@@ -76,8 +81,8 @@ def supported_decoder(decoder: Any) -> bool:
         return False
     if name == "LlamaModel" and config.mlp_bias:  # Llama's own switch; Qwen2 has no MLP bias
         return False
-    if name == "Qwen2Model" and any(t != "full_attention" for t in config.layer_types):
-        return False  # Qwen2's sliding-window layers; Llama has none
+    if name != "LlamaModel" and any(t != "full_attention" for t in config.layer_types):
+        return False  # Qwen's sliding-window layers; Llama has none
     layers = [_Layer.parts(layer) for layer in decoder.layers]
     linears = [m for qkv, o, gate_up, down in layers for m in (*qkv, o, *gate_up, down)]
     return all(type(m) is torch.nn.Linear for m in linears)
@@ -143,6 +148,14 @@ class _Layer:
         # copies, as the packed linears' are: read when installed
         self.doubled1 = torch.cat((self.norm1, self.norm1)).detach() if doubled else None
         self.doubled2 = torch.cat((self.norm2, self.norm2)).detach() if doubled else None
+        # Qwen3's per-head q and k norms (weight, eps, doubled weight); None for the other families
+        self.qk_norms = None
+        if getattr(layer.self_attn, "q_norm", None) is not None:
+            qn, kn = layer.self_attn.q_norm, layer.self_attn.k_norm
+            self.qk_norms = tuple(
+                (n.weight, n.variance_epsilon, torch.cat((n.weight, n.weight)).detach() if doubled else None)
+                for n in (qn, kn)
+            )
 
     def bind(self, product: Callable[[torch.nn.Linear], Callable[[torch.Tensor], torch.Tensor]]) -> None:
         """Compute the layer's four linears in passes as ``product(linear)`` (``LeanForward.bind``)."""
@@ -284,9 +297,14 @@ class LeanForward:
         h = rms_norm(x, layer.norm1, layer.eps1, layer.doubled1)
         qkv = layer.qkv_product(h)
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        qk = _rotate(
-            qkv[..., : q_dim + kv_dim].view(batch, t, self.heads + self.kv_heads, self.head_dim), *rope
-        )
+        qk = qkv[..., : q_dim + kv_dim].view(batch, t, self.heads + self.kv_heads, self.head_dim)
+        if layer.qk_norms is not None:  # Qwen3: each head's q and k normed before the rotation
+            (qw, q_eps, q_doubled), (kw, k_eps, k_doubled) = layer.qk_norms
+            q_part, k_part = qk[:, :, : self.heads], qk[:, :, self.heads :]
+            qk = torch.cat(
+                (rms_norm(q_part, qw, q_eps, q_doubled), rms_norm(k_part, kw, k_eps, k_doubled)), dim=2
+            )
+        qk = _rotate(qk, *rope)
         q = qk[:, :, : self.heads].transpose(1, 2)  # [1, Hq, T, D]
         k = qk[:, :, self.heads :].transpose(1, 2)  # [1, Hkv, T, D]
         v = qkv[..., q_dim + kv_dim :].view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)

@@ -223,7 +223,7 @@ class ModelPair:
 
     ``key`` names everything that changes the KV state (model sources, dtype, device); the prefix
     cache namespaces its entries by it. The pair's passes call a forward it owns per model
-    (``target_forward``, ``draft_forward``): for a Llama or Qwen2 model ``agentspec.lean``'s, its q/k/v
+    (``target_forward``, ``draft_forward``): for a Llama, Qwen2 or Qwen3 model ``agentspec.lean``'s, its q/k/v
     and gate/up weights fused (the model's own parameters become views of them) and its CPU linears
     computed as ``agentspec.linears.PassLinears`` chose (prepacked; float32 weight-first past the
     copies' memory share); for any other, transformers' own forward. The models' own forwards and
@@ -242,7 +242,7 @@ class ModelPair:
     # (one preallocated StaticState for the pair's calls, rolled back by its length) or "compiled"
     # (that, with its one-token step under torch.compile's CUDA graphs); see agentspec.static_kv
     draft_cache: str = "dynamic"
-    # whether agentspec's passes over a Llama or Qwen2 model run agentspec.lean's forward (False: the
+    # whether agentspec's passes over a Llama, Qwen2 or Qwen3 model run agentspec.lean's forward (False: the
     # model keeps transformers' forward everywhere, its weights unfused)
     lean_forward: bool = True
     # serialises model access: one call decodes at a time per loaded pair

@@ -14,8 +14,9 @@ from functools import partial
 import pytest
 import torch
 from conftest import needs_bf16
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+import agentspec
 from agentspec import lean, linears
 from agentspec.attention import use_grouped_sdpa
 from agentspec.forward import PlainForward
@@ -42,11 +43,38 @@ def qwen2(seed: int, **overrides) -> Qwen2ForCausalLM:
     return model
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+def qwen3(seed: int, **overrides) -> Qwen3ForCausalLM:
+    """A random Qwen3: each head's q and k RMS-normed before the rotation (random norm weights and
+    q/k/v biases, so both bite; they initialise to ones and zeros)."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, attention_bias=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False, **overrides,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+            for norm in (attn.q_norm, attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+BUILDERS = {"qwen2": qwen2, "qwen3": qwen3}
+
+
+def family_model(tiny_llama, family: str, seed: int = 3):
+    return tiny_llama(seed, vocab_size=VOCAB) if family == "llama" else BUILDERS[family](seed)
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def models(request, tiny_llama):
     """(the model a pair's lean forward reads, an untouched copy for transformers' numbers, the lean
     forward)."""
-    model = tiny_llama(3, vocab_size=VOCAB) if request.param == "llama" else qwen2(3)
+    model = family_model(tiny_llama, request.param)
     untouched = copy.deepcopy(model)
     pair = ModelPair(target=model, tokenizer=None)
     assert isinstance(pair.target_forward, lean.LeanForward) and pair.target_forward.model is model
@@ -145,9 +173,10 @@ def test_other_callers_keep_transformers_forward(models):
 
 def test_a_family_it_does_not_reproduce_keeps_transformers_forward(tiny_llama):
     sliding = qwen2(0, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    sliding3 = qwen3(0, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     gelu = tiny_llama(0)
     gelu.config.hidden_act = "gelu"
-    for model in (sliding, gelu):
+    for model in (sliding, sliding3, gelu):
         assert not lean.supported(model)
         pair = ModelPair(target=model, tokenizer=None)
         assert isinstance(pair.target_forward, PlainForward) and "forward" not in vars(model)
@@ -169,14 +198,13 @@ def test_a_failed_pass_leaves_the_state_usable(models):
     torch.testing.assert_close(state.forward(ids[4:], 3), reference(untouched, ids)[4:], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_packed_linears_are_called_directly_with_their_forwards_bits(tiny_llama, monkeypatch, family):
     """Where a pass's linears are packed (float32, every weight here), the lean forward calls each one's
     kernel directly (``linears.PassLinears.product``), with the bits ``PackedWeight``'s own call gives,
     at one row and at several (the kernel folds the leading dimensions that ``PackedWeight`` flattens)."""
     monkeypatch.setattr(linears, "MIN_PACKED_FLOAT32_BYTES", 0)
-    model = tiny_llama(3, vocab_size=VOCAB) if family == "llama" else qwen2(3)
-    pair = ModelPair(target=model, tokenizer=None)
+    pair = ModelPair(target=family_model(tiny_llama, family), tokenizer=None)
     lean_forward = pair.target_forward
     layer = lean_forward.layers[0]
     products = [layer.qkv_product, layer.o_product, layer.gate_up_product, layer.down_product]
@@ -310,3 +338,25 @@ def test_its_layer_norm_way_is_rms_norm_to_a_last_bit():
     for row in range(0, 16, 5):  # a row's bits are its own, whatever else is in the call
         one = lean.rms_norm(x[:1, row : row + 1], weight, 1e-5, torch.cat((weight, weight)))
         assert torch.equal(one, got[:1, row : row + 1])
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_a_qwen3_pair_speculates_transformers_greedy_tokens(perturbed, fake_tokenizer, k):
+    """Speculative decoding on a Qwen3 pair (a draft model that mostly agrees), greedy, through the
+    lean forward: token for token what transformers' ``generate()`` gives the target alone, with drafts
+    accepted and rejected along the way."""
+    target = qwen3(5)
+    draft = perturbed(target, seed=1, noise=0.3)
+    pair = ModelPair(target=target, draft=draft, tokenizer=fake_tokenizer(VOCAB), name="tiny-qwen3")
+    assert isinstance(pair.target_forward, lean.LeanForward)
+    accepted = rejected = 0
+    for prompt in ([5, 17, 42, 8, 91, 3], [60, 11, 60, 11, 60], [29, 7, 2, 77, 1, 4, 4, 9, 13, 21]):
+        x = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16,
+                                  min_new_tokens=16)[0, len(prompt) :].tolist()  # fmt: skip
+        result = agentspec.generate(pair, prompt, drafter="model", max_new_tokens=16, num_draft_tokens=k)
+        assert result.token_ids == ref, f"{prompt=}"
+        accepted += result.stats.accepted_tokens
+        rejected += result.stats.draft_tokens - result.stats.accepted_tokens
+    assert accepted > 0 and rejected > 0, f"{accepted=} {rejected=}"
