@@ -3,7 +3,10 @@
 Conventions (as in vLLM's spec-decode metrics): ``mean_acceptance_length`` counts the token the
 target adds on every verify pass, so it is ``(accepted + verify_steps) / verify_steps`` and is 1.0
 for plain decoding; ``acceptance_histogram[i]`` counts verify passes that accepted exactly ``i``
-draft tokens.
+draft tokens; ``accepted_per_position[i]`` counts passes whose draft token at position ``i`` was
+accepted (vLLM's ``num_accepted_tokens_per_pos``: a token is accepted only after every one before it),
+``drafted_per_position[i]`` those that drafted a token there, so their ratio is position ``i``'s
+acceptance given the ones before it.
 
 Per draft source (``drafter="auto"`` picks one per pass: "suffix", "model" or "none"; any other
 drafter is its own single source), ``source_steps``, ``source_draft_tokens`` and
@@ -37,6 +40,8 @@ class DecodeStats:
     draft_failures: int = 0  # drafter exceptions survived by falling back to the target alone
     draft_cooldown: str | None = None  # a drafter this call decoded without: it kept failing (health)
     acceptance_histogram: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
     finish_reason: str | None = None
@@ -55,9 +60,9 @@ class DecodeStats:
         self.verify_steps += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
-        if len(self.acceptance_histogram) <= accepted:
-            self.acceptance_histogram.extend([0] * (accepted + 1 - len(self.acceptance_histogram)))
-        self.acceptance_histogram[accepted] += 1
+        _count(self.acceptance_histogram, range(accepted, accepted + 1))
+        _count(self.accepted_per_position, range(accepted))
+        _count(self.drafted_per_position, range(drafted))
 
     @property
     def acceptance_rate(self) -> float:
@@ -78,3 +83,11 @@ class DecodeStats:
         d["mean_acceptance_length"] = self.mean_acceptance_length
         d["tokens_per_second"] = self.tokens_per_second
         return d
+
+
+def _count(counts: list[int], indices: range) -> None:
+    """One more at each index of ``counts``, grown with zeros to reach them."""
+    if len(counts) < indices.stop:
+        counts.extend([0] * (indices.stop - len(counts)))
+    for i in indices:
+        counts[i] += 1

@@ -136,6 +136,8 @@ def speculative_metadata(stats: DecodeStats) -> dict[str, Any]:
         "acceptance_rate": stats.acceptance_rate,
         "mean_acceptance_length": stats.mean_acceptance_length,
         "acceptance_histogram": list(stats.acceptance_histogram),
+        "accepted_per_position": list(stats.accepted_per_position),
+        "drafted_per_position": list(stats.drafted_per_position),
         # per draft source ("auto" picks "suffix", "model" or "none" each pass): passes, drafted, accepted
         "source_steps": dict(stats.source_steps),
         "source_draft_tokens": dict(stats.source_draft_tokens),

@@ -77,6 +77,12 @@ METRICS: dict[str, MetricSpec] = {
     "accepted_tokens": MetricSpec(
         Counter, "agentspec_spec_decode_num_accepted_tokens", "Draft tokens accepted"
     ),
+    "accepted_per_pos": MetricSpec(
+        Counter,
+        "agentspec_spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the draft (0: the first)",
+        ("position",),
+    ),
     # a gauge: a call that lost time (negative saving) moves it down
     "latency_saved": MetricSpec(
         Gauge,
@@ -193,6 +199,8 @@ class ServerMetrics:
         self._of("drafts").inc(spec_steps)
         self._of("draft_tokens").inc(stats.draft_tokens)
         self._of("accepted_tokens").inc(stats.accepted_tokens)
+        for position, n in enumerate(stats.accepted_per_position):
+            self.family["accepted_per_pos"].labels(self.model, str(position)).inc(n)
         self._of("latency_saved").inc(saved_s)
         self._of("duration").observe(duration_s)
 

@@ -297,7 +297,8 @@ def speculative_decoding(stats: DecodeStats, num_spec_tokens: int) -> dict[str, 
     draft's length, so the longest draft of the request stands for it, at least its histogram's
     reach); ``mean_acceptance_length`` = 1 + accepted / spec steps, the bonus token included;
     ``draft_acceptance_rate`` = accepted / drafted; ``acceptance_histogram[i]`` = spec steps that
-    accepted exactly ``i`` draft tokens, ``num_spec_tokens + 1`` entries.
+    accepted exactly ``i`` draft tokens, ``num_spec_tokens + 1`` entries. (vLLM counts the tokens
+    accepted at each draft position only in its ``/metrics``, as ``ServerMetrics`` does.)
     """
     empty = stats.source_steps.get("none", 0)  # passes that verified no draft token
     steps = stats.verify_steps - empty

@@ -110,6 +110,8 @@ DRAFT_COOLDOWN = "agentspec.draft_cooldown"  # a drafter this call skipped: it k
 ACCEPTANCE_RATE = "agentspec.acceptance_rate"  # accepted / drafted
 MEAN_ACCEPTANCE_LENGTH = "agentspec.mean_acceptance_length"  # tokens per verify pass, bonus included
 ACCEPTANCE_HISTOGRAM = "agentspec.acceptance_histogram"  # [i]: verify passes that accepted i drafts
+ACCEPTED_PER_POSITION = "agentspec.accepted_per_position"  # [i]: passes whose draft token i was accepted
+DRAFTED_PER_POSITION = "agentspec.drafted_per_position"  # [i]: passes that drafted a token at position i
 PREFIX_TOKENS_RESTORED = "agentspec.prefix_cache.restored_tokens"  # = cache_read.input_tokens
 PREFILL_TOKENS = "agentspec.prefill_tokens"  # prompt tokens the target computed in this call
 TIME_TO_FIRST_TOKEN = "agentspec.time_to_first_token_s"  # from the call's start (cache restore included)
@@ -303,6 +305,8 @@ def speculation_attributes(stats: DecodeStats) -> dict[str, Any]:
         ACCEPTANCE_RATE: stats.acceptance_rate,
         MEAN_ACCEPTANCE_LENGTH: stats.mean_acceptance_length,
         ACCEPTANCE_HISTOGRAM: list(stats.acceptance_histogram),
+        ACCEPTED_PER_POSITION: list(stats.accepted_per_position),
+        DRAFTED_PER_POSITION: list(stats.drafted_per_position),
         PREFIX_TOKENS_RESTORED: stats.cached_tokens,
         PREFILL_TOKENS: stats.prefill_tokens,
         **source_attributes(stats),

@@ -134,6 +134,8 @@ def test_metadata(smol_pair):
         "acceptance_rate",
         "mean_acceptance_length",
         "acceptance_histogram",
+        "accepted_per_position",
+        "drafted_per_position",
         "source_steps",
         "source_draft_tokens",
         "source_accepted_tokens",

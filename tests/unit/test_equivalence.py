@@ -69,6 +69,11 @@ def check_stats(result, k: int) -> None:
     s = result.stats
     assert s.output_tokens == len(result.token_ids), f"{s=}"
     assert sum(s.acceptance_histogram) == s.verify_steps, f"{s=}"
+    # by position: a token accepted only after every one before it, and only where one was drafted
+    accepted, drafted = s.accepted_per_position, s.drafted_per_position
+    assert (sum(accepted), sum(drafted)) == (s.accepted_tokens, s.draft_tokens), f"{s=}"
+    assert accepted == sorted(accepted, reverse=True) and len(accepted) <= len(drafted), f"{s=}"
+    assert all(a <= d for a, d in zip(accepted, drafted)), f"{s=}"
     assert s.accepted_tokens <= s.draft_tokens <= k * s.verify_steps, f"{s=}"
     assert s.draft_failures == 0, f"{s=}"
     if result.finish_reason == "length":  # nothing trimmed: every pass adds accepted + 1 tokens

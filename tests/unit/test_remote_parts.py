@@ -51,8 +51,8 @@ VLLM_METRICS = {
 # the keys of the local path's response_metadata["speculative"] (tests/e2e compares a real reply's)
 LOCAL_KEYS = {
     "drafter", "draft_tokens", "accepted_tokens", "verify_steps", "acceptance_rate",
-    "mean_acceptance_length", "acceptance_histogram", "source_steps", "source_draft_tokens",
-    "source_accepted_tokens", "draft_failures", "draft_cooldown",
+    "mean_acceptance_length", "acceptance_histogram", "accepted_per_position", "drafted_per_position",
+    "source_steps", "source_draft_tokens", "source_accepted_tokens", "draft_failures", "draft_cooldown",
 }  # fmt: skip
 
 
@@ -66,6 +66,7 @@ def test_vllm_metrics_come_back_under_the_local_keys():
     assert (record["draft_tokens"], record["accepted_tokens"], record["verify_steps"]) == (12, 7, 3)
     assert record["acceptance_rate"] == 0.58 and record["mean_acceptance_length"] == 3.33
     assert record["acceptance_histogram"] == [0, 1, 1, 0, 1]
+    assert record["accepted_per_position"] == record["drafted_per_position"] == []  # vLLM does not say
     assert record["drafter"] is None and record["source_steps"] == {}  # vLLM does not say
 
 

@@ -52,6 +52,8 @@ def test_speculative_decoding_has_vllms_meanings():
         "draft_acceptance_rate": 0.5,
         "acceptance_histogram": [1, 1, 0, 0, 1],  # spec steps by accepted count, k + 1 entries
     }
+    # agentspec's own record, by position in the draft (vLLM's /metrics counts the first)
+    assert (stats.accepted_per_position, stats.drafted_per_position) == ([2, 1, 1, 1], [3, 3, 2, 2])
     assert sum(m["acceptance_histogram"]) == m["num_spec_steps"]
     longer = P.speculative_decoding(stats, num_spec_tokens=6)["acceptance_histogram"]
     assert longer == [1, 1, 0, 0, 1, 0, 0]
@@ -342,6 +344,18 @@ def test_metrics_read_the_pairs_scheduler_under_vllms_names(tiny_smol):
         assert _gauge(text, re.escape(name)) == value, name
     stats.passes += 1  # read at each scrape, never copied
     assert _gauge(metrics.exposition().decode(), "agentspec_scheduler_passes_total") == 5
+
+
+def test_metrics_count_accepted_draft_tokens_by_position(tiny_smol):
+    """vLLM's ``spec_decode_num_accepted_tokens_per_pos``: per position in the draft, the tokens
+    accepted there, summed over requests."""
+    metrics = ServerMetrics("tiny-smol", tiny_smol.tenants, SchedulerStats())
+    metrics.decoded(_stats(), spec_steps=3, saved_s=0.0, duration_s=0.1)
+    metrics.decoded(_stats(), spec_steps=3, saved_s=0.0, duration_s=0.1)
+    text = metrics.exposition().decode()
+    name = "agentspec_spec_decode_num_accepted_tokens_per_pos_total"
+    found = dict(re.findall(rf'^{name}{{model_name="tiny-smol",position="(\d+)"}} (\S+)$', text, re.M))
+    assert {int(k): float(v) for k, v in found.items()} == {0: 4.0, 1: 2.0, 2: 2.0, 3: 2.0}
 
 
 def test_the_core_imports_no_web_framework():

@@ -98,6 +98,8 @@ _UNREPORTED = {
     "acceptance_rate": 0.0,
     "mean_acceptance_length": 1.0,
     "acceptance_histogram": [],
+    "accepted_per_position": [],
+    "drafted_per_position": [],
     "source_steps": {},
     "source_draft_tokens": {},
     "source_accepted_tokens": {},

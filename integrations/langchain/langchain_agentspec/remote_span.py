@@ -58,6 +58,8 @@ VERIFY_STEPS = "agentspec.verify_steps"
 ACCEPTANCE_RATE = "agentspec.acceptance_rate"
 MEAN_ACCEPTANCE_LENGTH = "agentspec.mean_acceptance_length"
 ACCEPTANCE_HISTOGRAM = "agentspec.acceptance_histogram"
+ACCEPTED_PER_POSITION = "agentspec.accepted_per_position"
+DRAFTED_PER_POSITION = "agentspec.drafted_per_position"
 BASELINE_ESTIMATE = "agentspec.baseline_estimate_s"
 LATENCY_SAVED = "agentspec.latency_saved_s"
 COST_SOURCE = "agentspec.latency.cost_source"
@@ -82,6 +84,8 @@ _SPECULATION = (  # response_metadata["speculative"] key -> the span attribute
     ("acceptance_rate", ACCEPTANCE_RATE),
     ("mean_acceptance_length", MEAN_ACCEPTANCE_LENGTH),
     ("acceptance_histogram", ACCEPTANCE_HISTOGRAM),
+    ("accepted_per_position", ACCEPTED_PER_POSITION),
+    ("drafted_per_position", DRAFTED_PER_POSITION),
 )
 _LATENCY = (
     ("latency_saved_s", LATENCY_SAVED),
