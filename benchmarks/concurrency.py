@@ -300,10 +300,10 @@ def sessions_part(args) -> dict[str, Any]:
 # --- a long prompt joining decoding calls ---------------------------------------------------------
 
 
-def prompt_ids(pair, text: str) -> list[int]:
-    return pair.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
-    )
+def question_ids(pair, text: str) -> list[int]:
+    from agentspec.bench.conversation import prompt_ids
+
+    return prompt_ids(pair.tokenizer, [{"role": "user", "content": text}])
 
 
 def long_prompt(pair, tokens: int) -> list[int]:
@@ -311,7 +311,7 @@ def long_prompt(pair, tokens: int) -> list[int]:
     words = " ".join(
         f"Item {i}: the shipment of part {i * 7 % 97} arrived on day {i % 31}." for i in range(tokens)
     )
-    ids = prompt_ids(pair, "Summarise this log.\n" + words)
+    ids = question_ids(pair, "Summarise this log.\n" + words)
     return ids[: tokens - 8] + ids[-8:]  # the chat template's end, so the model answers
 
 
@@ -364,7 +364,7 @@ def join_part(args) -> dict[str, Any]:
 
     pair = agentspec.load_pair(dtype=args.dtype)
     n_new = args.max_new_tokens or 64
-    prompts = [prompt_ids(pair, q) for q in workloads.QUESTIONS[: args.calls]]
+    prompts = [question_ids(pair, q) for q in workloads.QUESTIONS[: args.calls]]
     joiner = long_prompt(pair, args.prompt_tokens)
     alone = [agentspec.generate(pair, p, None, False, max_new_tokens=n_new).token_ids for p in prompts]
     runs = {}

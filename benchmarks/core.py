@@ -44,6 +44,7 @@ import torch
 
 import agentspec
 from agentspec.bench import roofline
+from agentspec.bench.conversation import prompt_ids
 from agentspec.bench.divergence import first_diff, top_two
 from agentspec.bench.workloads import PROMPTS, QUICK_PROMPTS
 from agentspec.distill.prompts import is_heldout, make_prompts, render
@@ -62,11 +63,6 @@ CONVENTIONS = {
     "identical": "output ids equal transformers generate() ids token for token (EOS included)",
     "margin": "target logits top1 - top2 at the first differing position (one plain forward)",
 }
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    return list(ids)
 
 
 def verify_cost(pair, sizes: list[int], repeats: int) -> dict[str, Any]:
@@ -168,7 +164,7 @@ def summarise(runs: list[Run], ref: dict[str, Any] | None = None) -> dict[str, A
 def decode_prompt(pair, i: int, prompt: tuple, modes: list[str], n: int, repeats: int) -> tuple[dict, dict]:
     """Every mode on one prompt, ``repeats`` times in rotated order: its entry and its runs per mode."""
     name, kind, messages = prompt
-    ids = chat_ids(pair.tokenizer, messages)
+    ids = prompt_ids(pair.tokenizer, messages)
     runs: dict[str, list[Run]] = {m: [] for m in modes}
     for r in range(repeats):
         for mode in harness.rotated(modes, i + r):
@@ -224,7 +220,7 @@ def run_decode(args) -> tuple[dict[str, Any], bool]:
     env = harness.environment(pair)
     print(f"{env['model']} ({env['device']}, {env['dtype']}, {env['torch_threads']} threads): "
           f"{len(prompts)} prompts x {len(modes)} modes, {n_new} new tokens")  # fmt: skip
-    warm = chat_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
+    warm = prompt_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
     for mode in modes:  # every code path once (allocator, kernels, lazy imports)
         decode(pair, mode, warm, n_new)
     done = [decode_prompt(pair, i, p, modes, n_new, repeats) for i, p in enumerate(prompts)]
@@ -463,7 +459,7 @@ def run_draft(args) -> tuple[dict[str, Any], bool]:
     result["verify_cost"] = verify_cost(pair, [1, 2, 3, 4, 5, 7, 9], 5 if args.quick else 15)
     result["cost_model"] = cost_model(result["verify_cost"], result["step_costs"]["draft_per_target"])
     print("acceptance needed:", result["cost_model"]["rows"], flush=True)
-    chat = [{"name": name, "kind": kind, "ids": chat_ids(tok, msgs)} for name, kind, msgs in PROMPTS
+    chat = [{"name": name, "kind": kind, "ids": prompt_ids(tok, msgs)} for name, kind, msgs in PROMPTS
             if kind == "chat"]  # fmt: skip
     chat += heldout_prompts(tok, ("chat",), 2 if args.quick else 5, skip=per_kind)
     result["speed"] = speed(pair, chat, n, ["model", "model_scheduled", "auto", "auto_no_model"])

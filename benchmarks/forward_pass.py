@@ -369,7 +369,7 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
 
 def run_pass(args) -> dict[str, Any]:
     reads = [read_gb_s(args)]  # and more beside each dtype's passes (target_passes)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "before", "max_new_tokens")}
+    settings = harness.settings(args, leave=("out", "before", "max_new_tokens"))
     dtypes = {dtype: run_dtype(dtype, args, reads) for dtype in args.dtypes}
     result = {"settings": settings, "rows": args.rows, "prompt_tokens": PROMPT_TOKENS, "dtypes": dtypes}
     result["environment"] = result["dtypes"][args.dtypes[0]]["environment"]

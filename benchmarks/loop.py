@@ -366,7 +366,7 @@ def telemetry_part(args) -> dict[str, Any]:
         set_cost_model(pair, dataclasses.replace(snapshot))  # each round from the calibration alone
         rounds.append(one_round(pair, args, r, provider, memory))
     result = {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "part")},
+        "settings": harness.settings(args, leave=("out", "part")),
         "environment": harness.environment(pair),
         "calibration_s": calibration_s,
         "estimate": {"calibration": snapshot.as_dict(), "rounds": rounds},

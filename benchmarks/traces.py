@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 import agentspec
+from agentspec.bench.conversation import prompt_ids
 from agentspec.drafters import DraftMemory, HybridDrafter, build_drafter
 from benchmarks import harness, workloads
 from benchmarks.workloads import calls
@@ -129,7 +130,7 @@ def replay(pair, traces, configs: list[str], memories: dict[str, DraftMemory], n
     turns: list[dict[str, Any]] = []
     for trace in traces:
         for n, (history, recorded) in enumerate(calls(trace)):
-            ids = chat_ids(pair.tokenizer, history)
+            ids = prompt_ids(pair.tokenizer, history)
             # the prompt into the prefix cache, for the target and the draft model alike
             agentspec.generate(pair, ids, "model", max_new_tokens=2, num_draft_tokens=1)
             i = len(turns)
@@ -148,11 +149,6 @@ def replay(pair, traces, configs: list[str], memories: dict[str, DraftMemory], n
             flag = f"  DIFFERENT: {diff}" if diff else ""
             print(f"{trace.name}#{n} {len(ids)}+{len(ref)} tok/s: {speeds}{flag}", flush=True)
     return turns
-
-
-def chat_ids(tokenizer, history: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=True)["input_ids"]
-    return list(ids)
 
 
 def draft_record(pair, turns: list[dict[str, Any]]) -> dict[str, Any]:
@@ -214,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = agentspec.load_pair(dtype=args.dtype)  # environment["dtype"] records what it resolved to
     assert pair.draft is not None, "the model configurations need the embedded pair's draft"
     env = harness.environment(pair)  # at the start: the git commit and dirty paths the run used
-    warm = chat_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
+    warm = prompt_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
     for c in configs:  # every code path once, outside the measurement and the memories
         run_call(pair, warm, c, DraftMemory(), 4)
     memories = {c: DraftMemory() for c in configs}
