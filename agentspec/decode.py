@@ -398,7 +398,7 @@ class _Pass:
     feed: PassIds | None = None  # what the target is fed: pending and forced on the host, the draft
     q: torch.Tensor | None = None  # the draft's distributions, guarded (sampled calls only)
     bad: torch.Tensor | None = None  # a [] flag: the draft was not valid (``_guard``)
-    tap: bool = False  # the drafter reads the target's hidden states (an EAGLE head)
+    tap: tuple[int, ...] = ()  # the target's features its drafter reads (an EAGLE head's layers)
     chunk: bool = False  # a chunk of the prompt only, fed beside other calls' rows: no logits, no Step
     scored: bool = False  # the call asked for log-probabilities: the forced tokens' rows are kept too
 
@@ -451,7 +451,7 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
         q = q[: len(tokens)] if q is not None and sampled else None
         d, p.q, p.bad = _guard(d, q, call.vocab, on_device)
         p.feed = PassIds(pending + forced, d)
-        p.tap = call.drafter is not None and call.drafter.uses_target_hidden
+        p.tap = call.drafter.feature_layers if call.drafter is not None else ()
     return p
 
 
@@ -526,7 +526,7 @@ def _accept(
     target.settle(accepted)  # roll back the rejected draft tokens
     if hidden is not None:  # the verified positions' features
         try:
-            call.drafter.observe_hidden(p.at, hidden[: len(target.ids) - p.at])
+            call.drafter.observe_features(p.at, hidden[: len(target.ids) - p.at])
         except Exception as exc:
             call.drop(exc)
     if flagged and call.drafter is not None:  # verified as a model-free draft: the output stands

@@ -85,6 +85,13 @@ class PlainForward:
         return PassOut(out.logits[0], found)
 
 
+def side_by_side(features: tuple[torch.Tensor, ...], rows: slice | None = None) -> torch.Tensor:
+    """The features a pass returned [T, H] each, side by side [T, n x H] (in the order asked for), cut
+    to ``rows``: what a head drafting from several layers reads (one feature: no copy)."""
+    parts = [f if rows is None else f[rows] for f in features]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
 def feature_index(model: Any, feature: int) -> int:
     """``feature`` as a non-negative index into ``0..L`` (see the module doc), checked."""
     layers = model.config.num_hidden_layers

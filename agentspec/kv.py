@@ -21,14 +21,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from agentspec.forward import NORMED, Forward, PlainForward
+from agentspec.forward import Forward, PlainForward, side_by_side
 
 
 class Batcher(Protocol):
     """Runs the ``ModelState.forward`` calls of several threads together (``agentspec.packed.Rendezvous``)."""
 
-    def forward(self, state: ModelState, new: PassIds, keep: int, hidden: bool) -> Any:
-        """``state.forward_now(new, keep, hidden)``'s result, computed in one pass with the other
+    def forward(self, state: ModelState, new: PassIds, keep: int, features: tuple[int, ...]) -> Any:
+        """``state.forward_now(new, keep, features)``'s result, computed in one pass with the other
         threads' calls."""
         ...
 
@@ -258,34 +258,35 @@ class ModelState:
         self.truncate(min(common_prefix_len(self.ids, seq, start), end))
         return seq[len(self.ids) : end]
 
-    def forward(self, new_ids: list[int] | PassIds, keep: int, hidden: bool = False):
+    def forward(self, new_ids: list[int] | PassIds, keep: int, features: tuple[int, ...] = ()):
         """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
 
         ``PassIds`` with device ids: those positions are ``unread`` after the pass (no host read).
-        With ``hidden``, return (logits, the final norm's output for ``new_ids`` [len(new_ids), H]):
-        the features an EAGLE head drafts from (``agentspec.drafters.eagle``). With a ``batcher``, the
+        With ``features`` (``agentspec.forward``'s numbering), return (logits, those features of
+        ``new_ids`` side by side [len(new_ids), n x H]): what an EAGLE head drafts from
+        (``agentspec.drafters.eagle``). With a ``batcher``, the
         pass is shared with the other drafting threads'.
         """
         new = new_ids if isinstance(new_ids, PassIds) else PassIds(new_ids)
         if self.batcher is not None:
-            return self.batcher.forward(self, new, keep, hidden)
-        return self.forward_now(new, keep, hidden)
+            return self.batcher.forward(self, new, keep, features)
+        return self.forward_now(new, keep, features)
 
     @torch.inference_mode()
-    def forward_now(self, new: PassIds, keep: int, hidden: bool = False):
+    def forward_now(self, new: PassIds, keep: int, features: tuple[int, ...] = ()):
         """``forward``, in a pass of its own."""
         assert len(new), "forward needs at least one new token"
         assert not (self.unread and new.host), "host ids cannot follow unread positions: settle first"
         x = new.tensor(self.model.device)
         held = len(self.ids) + self.unread
         try:
-            out = self.model_forward(x, keep, cache=self.cache, features=(NORMED,) if hidden else ())
+            out = self.model_forward(x, keep, cache=self.cache, features=features)
         except BaseException:
             self._roll_back(held)
             raise
         self.advance(new)
         logits = out.logits[-keep:]
-        return (logits, out.features[0][-len(new) :]) if hidden else logits
+        return (logits, side_by_side(out.features, slice(-len(new), None))) if features else logits
 
     def advance(self, new: PassIds) -> None:
         """A pass fed ``new`` after the cached positions (this state's own, or a packed one): its

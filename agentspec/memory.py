@@ -48,9 +48,9 @@ def forward_retrying(
     new_ids: list[int],
     keep: int,
     free: Callable[[], None] | None = None,
-    hidden: bool = False,
+    features: tuple[int, ...] = (),
 ):
-    """``state.forward(new_ids, keep, hidden)``, retried on out-of-memory after ``free()`` and
+    """``state.forward(new_ids, keep, features)``, retried on out-of-memory after ``free()`` and
     ``release_cached_memory()``.
 
     The pass itself is a plain call: the retry machinery is built only once a pass has failed. A
@@ -60,7 +60,7 @@ def forward_retrying(
     """
     covered = state.ids  # no copy per pass: a reset gives the state a new list, this one stays
     try:
-        return state.forward(new_ids, keep, hidden)
+        return state.forward(new_ids, keep, features)
     except Exception as exc:
         if not is_oom(exc):
             raise
@@ -68,12 +68,12 @@ def forward_retrying(
 
     def attempt():
         try:
-            out = state.forward(state.sync(covered) + new_ids, keep, hidden)
+            out = state.forward(state.sync(covered) + new_ids, keep, features)
         except Exception as exc:
             if is_oom(exc):  # tenacity keeps the failure while it frees memory: not its frames
                 raise _without_frames(exc) from None
             raise
-        return (out[0], out[1][-len(new_ids) :]) if hidden else out  # hidden rows: new_ids' only
+        return (out[0], out[1][-len(new_ids) :]) if features else out  # feature rows: new_ids' only
 
     def free_all(attempt_number: int) -> None:
         log.warning(

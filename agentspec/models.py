@@ -30,7 +30,8 @@ import torch
 from agentspec import warm
 from agentspec.attention import NAME, invariant_rows, use_grouped_sdpa
 from agentspec.cost import PairCost
-from agentspec.drafters.eagle import EagleForward, is_eagle
+from agentspec.drafters.eagle import EagleForward, EagleHead, is_eagle
+from agentspec.drafters.eagle3 import Eagle3Head
 from agentspec.drafters.tenants import TenantStore
 from agentspec.forward import Forward, PlainForward
 from agentspec.grammar import GrammarCompiler
@@ -264,10 +265,10 @@ class ModelPair:
     # model (an EAGLE head drafts through its own module)
     target_forward: Forward = field(init=False, repr=False, compare=False)
     draft_forward: Forward | None = field(init=False, repr=False, compare=False)
-    # what an EAGLE head's passes call (agentspec.drafters.eagle.EagleForward): its decoder layer's lean
-    # forward, its fc and the LM head it shares with the target as the pair computes them; None
-    # without a head
-    draft_head: EagleForward | None = field(init=False, repr=False, compare=False)
+    # what an EAGLE head's passes call: for an EAGLE-1 head (agentspec.drafters.eagle.EagleForward) its
+    # decoder layer's lean forward, its fc and the LM head it shares with the target as the pair
+    # computes them; an EAGLE-3 head (agentspec.drafters.eagle3) itself; None without a head
+    draft_head: EagleForward | Eagle3Head | None = field(init=False, repr=False, compare=False)
     # how the lean forwards compute their CPU linears (prepacked, weight-first), found once here
     pass_linears: PassLinears = field(init=False, repr=False, compare=False)
     # the tokenizer's grammar compiler, built on first use (``grammar_compiler``)
@@ -280,18 +281,19 @@ class ModelPair:
 
     def __post_init__(self) -> None:
         head = self.draft if self.draft is not None and is_eagle(self.draft) else None
+        eagle1 = head if isinstance(head, EagleHead) else None  # an EAGLE-3 head runs its own modules
         self.target_forward = self._forward(self.target)
         self.draft_forward = self._forward(self.draft) if self.draft is not None and head is None else None
-        decoder = self._head_decoder(head)
+        decoder = self._head_decoder(eagle1)
         lean = [f for f in (self.target_forward, self.draft_forward, decoder) if isinstance(f, LeanForward)]
-        own = [head.fc] if head is not None else []
+        own = [eagle1.fc] if eagle1 is not None else []
         self.pass_linears = PassLinears([*(linear for f in lean for _, linear in f.linears()), *own])
         for f in lean:
             f.bind(self.pass_linears.product)
-        self.draft_head = None
-        if head is not None:
-            scores = self.pass_linears.product(head.head) if type(head.head) is torch.nn.Linear else None
-            self.draft_head = EagleForward(head, decoder, self.pass_linears.product(head.fc), scores)
+        self.draft_head = head
+        if eagle1 is not None:
+            scores = self.pass_linears.product(eagle1.head) if type(eagle1.head) is torch.nn.Linear else None
+            self.draft_head = EagleForward(eagle1, decoder, self.pass_linears.product(eagle1.fc), scores)
         # a pair without weights yet (a placeholder) drafts nowhere: the CPU's priors
         self.cost = PairCost(self.device if self.target is not None else None)
         self.tenants = TenantStore(self.cost.verify)
@@ -415,7 +417,10 @@ def default_draft_folder() -> Path | None:
 def _load_draft(draft_model: Any, target: Any, tok: Any, dev: torch.device, dt: torch.dtype) -> Any:
     """The draft model, checked to share the target's tokenizer ``tok``."""
     from agentspec.draft_folder import is_draft_folder, load_draft
+    from agentspec.head_folder import is_head_folder, load_head
 
+    if is_head_folder(draft_model):  # a head in the speculators format, on the target's features
+        return load_head(draft_model, target)
     if not is_draft_folder(draft_model):
         draft, draft_tok = _load_one(draft_model, dev, dt)
         check_tokenizers(tok, draft_tok or tok)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from agentspec.attention import grouped_sdpa_forward, invariant_rows
-from agentspec.forward import NORMED
+from agentspec.forward import side_by_side
 from agentspec.kv import ModelState, PassIds
 
 
@@ -102,13 +102,17 @@ def causal_mask(held: int, n: int, device: torch.device, dtype: torch.dtype) -> 
 
 @torch.inference_mode()
 def forward_packed(
-    states: Sequence[ModelState], news: Sequence[PassIds], keeps: Sequence[int], hidden: bool = False
+    states: Sequence[ModelState],
+    news: Sequence[PassIds],
+    keeps: Sequence[int],
+    features: tuple[int, ...] = (),
 ) -> list:
     """One forward of the states' model over every ``news[i]`` after ``states[i]``'s cached ids.
 
-    Returns per state its last ``keeps[i]`` logits rows [keeps[i], V] (0: none), with ``hidden`` as
-    (logits, final-norm output of its new rows [n_i, H]); each state then covers its new ids as after
-    ``ModelState.forward`` (device ids ``unread``). A failed pass rolls every state back to before it.
+    Returns per state its last ``keeps[i]`` logits rows [keeps[i], V] (0: none), with ``features`` as
+    (logits, those features of its new rows side by side [n_i, n x H]); each state then covers its new
+    ids as after ``ModelState.forward`` (device ids ``unread``). A failed pass rolls every state back
+    to before it.
     """
     forward = states[0].model_forward
     device = forward.model.device
@@ -119,7 +123,7 @@ def forward_packed(
     rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, keeps)]).to(device)
     pack = PackedPass(states, held, lengths, device, forward.model.dtype)
     try:
-        out = forward(ids, rows, pack=pack, features=(NORMED,) if hidden else ())
+        out = forward(ids, rows, pack=pack, features=features)
     except BaseException:
         for state, h in zip(states, held):
             state._roll_back(h)
@@ -130,7 +134,7 @@ def forward_packed(
         state.advance(new)
         rows_i = logits[at : at + keep]
         at += keep
-        results.append((rows_i, out.features[0][a:b]) if hidden else rows_i)
+        results.append((rows_i, side_by_side(out.features, slice(a, b))) if features else rows_i)
     return results
 
 
@@ -139,7 +143,7 @@ class _Request:
     state: ModelState
     new: PassIds
     keep: int
-    hidden: bool
+    features: tuple[int, ...]
     out: Any = None
     error: BaseException | None = None
     done: bool = False
@@ -161,10 +165,10 @@ class Rendezvous:
         self._cond = threading.Condition()
         self._waiting: list[_Request] = []
 
-    def forward(self, state: ModelState, new: PassIds, keep: int, hidden: bool) -> Any:
-        if hidden or not packable(state):  # not one the packed pass can feed: its own pass
-            return state.forward_now(new, keep, hidden)
-        request = _Request(state, new, keep, hidden)
+    def forward(self, state: ModelState, new: PassIds, keep: int, features: tuple[int, ...]) -> Any:
+        if features or not packable(state):  # not one the packed pass can feed: its own pass
+            return state.forward_now(new, keep, features)
+        request = _Request(state, new, keep, features)
         with self._cond:
             self._waiting.append(request)
             self._run_if_all_here()
@@ -205,7 +209,7 @@ def _run(group: list[_Request]) -> None:
             r.out = outs[i]
         else:
             try:
-                r.out = r.state.forward_now(r.new, r.keep, r.hidden)
+                r.out = r.state.forward_now(r.new, r.keep, r.features)
             except Exception as exc:
                 r.error = exc
         r.done = True

@@ -65,7 +65,7 @@ class Share(Protocol):
         """The logits rows the member reads (the last ones of its feed; 0: none)."""
         ...
 
-    tap: bool  # the member reads the final norm's output of its rows too
+    tap: tuple[int, ...]  # the target's features of its rows the member reads too (none: ())
 
 
 class Member(Protocol):
@@ -362,7 +362,8 @@ class Scheduler:
         states = [m.target for m, _ in fed]
         if not all(packable(state) for state in states):  # a model or cache the packed pass cannot feed
             return {id(m): self._alone(m, s) for m, s in fed}
-        tap = any(s.tap for _, s in fed)
+        # every head on a pair reads the same layers: a pass taps them for the members that read them
+        tap = next((s.tap for _, s in fed if s.tap), ())
         try:
             outs = forward_packed(states, [s.feed for _, s in fed], [s.keep for _, s in fed], tap)
         except Exception as exc:

@@ -29,7 +29,7 @@ import torch
 from transformers import Cache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from agentspec.forward import NORMED, PlainForward
+from agentspec.forward import PlainForward, side_by_side
 from agentspec.kv import KVState, PassIds, Segments, cache_segments, common_prefix_len
 
 MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many tokens
@@ -185,11 +185,11 @@ class StaticState:
             )
 
     @torch.inference_mode()
-    def forward(self, new_ids: list[int] | PassIds, keep: int, hidden: bool = False):
+    def forward(self, new_ids: list[int] | PassIds, keep: int, features: tuple[int, ...] = ()):
         """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
 
-        With ``hidden``, return (logits, the final norm's output for ``new_ids`` [len(new_ids), H]).
-        A compiled state runs feeds of up to ``width`` tokens without ``hidden`` through the compiled
+        With ``features``, return (logits, those features of ``new_ids`` side by side [len(new_ids), n x H]).
+        A compiled state runs feeds of up to ``width`` tokens without ``features`` through the compiled
         pass (padded to ``width``; the padded rows are rolled back).
         """
         new = new_ids if isinstance(new_ids, PassIds) else PassIds(new_ids)
@@ -197,7 +197,7 @@ class StaticState:
         assert not (self.unread and new.host), "host ids cannot follow unread positions: settle first"
         n, start = len(new), self.length
         # near the capacity, a feed that fits only unpadded runs eager
-        fixed = self.compiled and n <= self.width and not hidden and start + self.width <= self.capacity
+        fixed = self.compiled and n <= self.width and not features and start + self.width <= self.capacity
         width = self.width if fixed else n
         self._fits(width, start)
         device = self.model.device
@@ -213,7 +213,7 @@ class StaticState:
             if fixed:
                 logits, captured = self._compiled_pass(x, positions, n), None
             else:
-                logits, captured = self._eager(x, positions, keep, hidden)
+                logits, captured = self._eager(x, positions, keep, features)
         except BaseException:
             self._set_length(start)  # the rows a failed pass wrote lie past the length: rolled back
             raise
@@ -229,11 +229,10 @@ class StaticState:
             return logits[-keep:], captured[-n:]
         return logits[-keep:]
 
-    def _eager(self, x: torch.Tensor, positions: torch.Tensor, keep: int, hidden: bool):
-        """Logits [keep, V] and the final norm's output [n, H] where ``hidden`` (else None)."""
-        features = (NORMED,) if hidden else ()
+    def _eager(self, x: torch.Tensor, positions: torch.Tensor, keep: int, features: tuple[int, ...]):
+        """Logits [keep, V] and the ``features`` side by side [n, n x H] (None without)."""
         out = self.model_forward(x, keep, cache=self.cache, positions=positions, features=features)
-        return out.logits, out.features[0] if hidden else None
+        return out.logits, side_by_side(out.features) if features else None
 
     def _compiled_pass(self, x: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
         """The ``width``-token forward, compiled on first use for these fixed shapes; logits [n, V]."""

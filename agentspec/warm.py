@@ -41,11 +41,11 @@ def warm_up(pair: Any) -> float:
     ids = _token_ids(pair.tokenizer, PREFILL_ROWS + sum(VERIFY_ROWS))
     eagle = pair.draft is not None and is_eagle(pair.draft)
     with torch.inference_mode():
-        hidden = _target_passes(pair.target_forward, ids, eagle)
+        feats = _target_passes(pair.target_forward, ids, pair.draft.feature_layers if eagle else ())
         if eagle:
-            _eagle_passes(pair.draft, pair.draft_head, ids, hidden)
+            _eagle_passes(pair.draft, pair.draft_head, ids, feats)
         elif pair.draft is not None:
-            _target_passes(pair.draft_forward, ids, False)
+            _target_passes(pair.draft_forward, ids, ())
     threading.Thread(target=pair.grammar_compiler.prepare, name="agentspec-grammar").start()
     release_pool()  # calls pass in the scheduler's thread (agentspec.threads)
     return time.perf_counter() - start
@@ -58,15 +58,15 @@ def _token_ids(tokenizer: Any, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def _target_passes(forward: Any, ids: list[int], hidden: bool) -> list[torch.Tensor]:
-    """A prefill and each verify size through a fresh ``ModelState``; the final-norm features of
-    every position (what an EAGLE head drafts from) where ``hidden``."""
+def _target_passes(forward: Any, ids: list[int], features: tuple[int, ...]) -> list[torch.Tensor]:
+    """A prefill and each verify size through a fresh ``ModelState``; the ``features`` of every
+    position (what an EAGLE head drafts from), if any."""
     state = ModelState(forward)
     feats: list[torch.Tensor] = []
     pos = 0
     for rows in (PREFILL_ROWS, *VERIFY_ROWS):
-        out = state.forward(ids[pos : pos + rows], rows, hidden=hidden)
-        if hidden:
+        out = state.forward(ids[pos : pos + rows], rows, features)
+        if features:
             feats.append(out[1])
         pos += rows
     return feats

@@ -29,7 +29,14 @@ import random  # noqa: E402
 import pytest
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from agentspec.cache import PrefixCache
 from agentspec.linears import cpu_has_bf16
@@ -88,6 +95,30 @@ def build_llama(
     return model
 
 
+def build_qwen(family: str, seed: int, vocab_size: int = VOCAB, *, layers: int = 2, **overrides):
+    """A random Qwen2 or Qwen3 with random q/k/v biases (and, Qwen3, q/k norm weights): they initialise
+    to zeros and ones, which would test nothing of what the family adds to Llama."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **overrides)).eval()
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8, attention_bias=True, **overrides)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+            for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+                if norm is not None:
+                    norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
 def noisy_copy(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCausalLM:
     """The model with Gaussian noise (``noise`` x each tensor's std) added: a draft that mostly agrees.
 
@@ -125,6 +156,12 @@ def tiny_llama():
 def perturbed():
     """``noisy_copy``: a draft model that mostly agrees with a given target."""
     return noisy_copy
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen():
+    """``build_qwen``: a random Qwen2 or Qwen3 (``tiny_qwen("qwen3", seed, vocab_size)``)."""
+    return build_qwen
 
 
 @pytest.fixture(scope="session")

@@ -47,8 +47,9 @@ class Drafter:
       pass a constraint; otherwise it fits the draft to the grammar itself, and ``propose`` may
       leave ``constraint`` out of its signature.
     - ``feedback`` after each verify pass, ``reset`` at the start of a call and after a failure.
-    - ``uses_target_hidden``: True when the drafter reads the target's final hidden states (an
-      EAGLE head); the loop then hands the verified positions' rows to ``observe_hidden``.
+    - ``feature_layers``: the target's features the drafter reads (``agentspec.forward``'s numbering:
+      an EAGLE head's layers; () for none); the verify pass then computes them too, and the loop
+      hands the verified positions' rows to ``observe_features``.
     - The KV-state handover with the prefix cache, for a drafter that keeps a model's KV cache in
       step with the verified sequence: ``kv_state()`` is that state (None: nothing to cache; its
       ``model`` keys the prefix cache's "draft" entries), ``adopt_kv_state(state)`` takes a
@@ -59,7 +60,7 @@ class Drafter:
     name: str
     draft_cap: int | None = None
     masks_own_draft: bool = False
-    uses_target_hidden: bool = False
+    feature_layers: tuple[int, ...] = ()
 
     def propose(
         self,
@@ -78,8 +79,9 @@ class Drafter:
     def reset(self) -> None:
         """Drop any per-request state (called at the start of a call, and after a failure)."""
 
-    def observe_hidden(self, position: int, hidden: torch.Tensor) -> None:
-        """The target's final hidden states [n, H] of the verified positions ``[position, position + n)``."""
+    def observe_features(self, position: int, features: torch.Tensor) -> None:
+        """The target's ``feature_layers`` side by side [n, k x H] at the verified positions
+        ``[position, position + n)``."""
 
     def kv_state(self) -> ModelState | None:
         """The KV state the prefix cache saves and restores for this drafter (None: it keeps none)."""

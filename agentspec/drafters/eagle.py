@@ -27,12 +27,17 @@ model of tokens), and vLLM's and SGLang's are bound to their own model runners.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
+from agentspec.forward import NORMED
 from agentspec.kv import PassIds, common_prefix_len, growing_cache, to_device
 
 EAGLE_ARCHITECTURE = "eagle"
+# the heads ``EagleState`` drafts with: this module's EAGLE-1 head and an EAGLE-3 one
+# (``agentspec.drafters.eagle3``)
+HEAD_ARCHITECTURES = (EAGLE_ARCHITECTURE, "eagle3")
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
 
 
@@ -49,7 +54,35 @@ def eagle_config(target_config):
     return config
 
 
-class EagleHead(torch.nn.Module):
+class FeatureHead(torch.nn.Module):
+    """What a head drafting from the target's features is to ``EagleState``: the target's embeddings
+    and LM head it shares (not submodules: neither stored nor trained), where it lives (its ``fc``),
+    and the cache of its own layers (``new_cache``; ``config``: theirs)."""
+
+    config: Any
+    fc: torch.nn.Linear
+
+    def __init__(self, embed: torch.nn.Module, head: torch.nn.Module):
+        super().__init__()
+        self._shared = {"embed": embed, "head": head}
+
+    @property
+    def embed(self) -> torch.nn.Module:
+        return self._shared["embed"]
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_cache(self):
+        return growing_cache(self.config)
+
+
+class EagleHead(FeatureHead):
     """``fc`` -> one decoder layer -> norm; scores with the target's LM head (shared, or cut to a subset).
 
     ``embed`` and ``head`` are the target's modules (or a ``SubsetHead`` over its weights): not
@@ -57,20 +90,17 @@ class EagleHead(torch.nn.Module):
     """
 
     architecture = EAGLE_ARCHITECTURE
+    feature_layers = (NORMED,)  # what it drafts from: the target's final norm output
+    feeds_first_token = True  # x_0 is fed beside a zero feature (how ``agentspec distill`` trains it)
 
     def __init__(self, config, embed: torch.nn.Module, head: torch.nn.Module):
-        super().__init__()
+        super().__init__(embed, head)
         from transformers import AutoModel
 
         d = config.hidden_size
         self.config = config
         self.fc = torch.nn.Linear(2 * d, d, bias=True)
         self.decoder = AutoModel.from_config(config)
-        self._shared = {"embed": embed, "head": head}  # not submodules: not in state_dict, not trained
-
-    @property
-    def embed(self) -> torch.nn.Module:
-        return self._shared["embed"]
 
     @property
     def head(self) -> torch.nn.Module:
@@ -81,14 +111,6 @@ class EagleHead(torch.nn.Module):
 
     def set_output_embeddings(self, head: torch.nn.Module) -> None:
         self._shared["head"] = head
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
 
     def inputs(self, feats: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``fc``'s input [B, T, 2d]: features ``feats`` [B, T, d] beside the embeddings of ``ids`` [B, T]."""
@@ -107,7 +129,8 @@ class EagleHead(torch.nn.Module):
 
 
 def is_eagle(model) -> bool:
-    return getattr(model, "architecture", None) == EAGLE_ARCHITECTURE
+    """Whether ``model`` is a head drafting from the target's features (EAGLE-1 or EAGLE-3)."""
+    return getattr(model, "architecture", None) in HEAD_ARCHITECTURES
 
 
 class EagleForward:
@@ -126,6 +149,11 @@ class EagleForward:
         self.fc = fc if fc is not None else head.fc
         self.scores = scores if scores is not None else head.head
 
+    @staticmethod
+    def project(features: torch.Tensor) -> torch.Tensor:
+        """What the head reads of the target's features: the final norm's output as it is."""
+        return features
+
     def hidden(self, feats: torch.Tensor, ids: torch.Tensor, cache) -> torch.Tensor:
         """The head's outputs [1, T, d] for features ``feats`` [1, T, d] and ids [1, T] after ``cache``."""
         x = self.fc(self.head.inputs(feats, ids))
@@ -142,14 +170,17 @@ class EagleState:
     tokens) were fed the head's own output and are rolled back at the next ``sync``.
     """
 
-    def __init__(self, model: EagleHead, run: EagleForward | None = None):
+    def __init__(self, model, run=None):
         self.model = model
-        # what its passes call: the pair's (``ModelPair.draft_head``), else the head's own modules
-        self.run = run if run is not None else EagleForward(model)
+        # what its passes call (``project``, ``hidden``, ``scores``): the pair's (``ModelPair.draft_head``),
+        # else the head's own modules (an EAGLE-3 head is its own forward)
+        if run is None:
+            run = EagleForward(model) if isinstance(model, EagleHead) else model
+        self.run = run
         self.reset()
 
     def reset(self) -> None:
-        self.cache = growing_cache(self.model.decoder.config)
+        self.cache = self.model.new_cache()
         self.ids: list[int] = []
         self.unread = 0  # drafted entries after ``ids`` fed from the device (their ids not read)
         self.base = 0
@@ -215,7 +246,7 @@ class EagleState:
         self.truncate(len(self.ids))
 
     def reset_cache(self, base: int) -> None:
-        self.cache = growing_cache(self.model.decoder.config)
+        self.cache = self.model.new_cache()
         self.base = self.real = base
         self.unread = 0
         self.last = None
@@ -258,12 +289,15 @@ class EagleState:
         fed_last = False
         while i < n and self.seen:  # before the call's first verify pass: nothing to read yet
             pos = len(self.ids)  # of new_ids[i]
-            has_feature = pos == 0 or self.feat_pos <= pos - 1 < self.feat_end
+            first = pos == 0 and self.model.feeds_first_token
+            has_feature = first or self.feat_pos <= pos - 1 < self.feat_end
             if has_feature and self.real == pos:
                 end = min(n, i + self.feat_end - (pos - 1))  # tokens with a real feature before them
-                if pos == 0:
+                if first:
                     end = min(n, i + 1)
-                feats = self._zero_row() if pos == 0 else self._take(pos - 1, pos - 1 + end - i)
+                feats = (
+                    self._zero_row() if first else self.run.project(self._take(pos - 1, pos - 1 + end - i))
+                )
                 outs.append(self._feed(feats, new_ids[i:end]))
                 self.real = len(self.ids)
                 i, fed_last = end, True

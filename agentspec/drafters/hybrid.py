@@ -100,7 +100,7 @@ class HybridDrafter(Drafter):
             suffix = SuffixDrafter(self.memory.store, factor=CANDIDATE_FACTOR)
         self.suffix = suffix
         self.model = model
-        self.uses_target_hidden = model is not None and model.uses_target_hidden
+        self.feature_layers = model.feature_layers if model is not None else ()
         # with a draft model, on its device's clock; a model-free pass ends in its one host read anyway
         self.timer = PassTimer(model.device if model is not None else None)
         self._begin_call()
@@ -174,8 +174,8 @@ class HybridDrafter(Drafter):
         if self.model is not None:
             self.model.reset()
 
-    def observe_hidden(self, position: int, hidden: torch.Tensor) -> None:
-        self.model.observe_hidden(position, hidden)  # called only when uses_target_hidden: a model
+    def observe_features(self, position: int, features: torch.Tensor) -> None:
+        self.model.observe_features(position, features)  # called only with feature_layers: a model
 
     def kv_state(self) -> ModelState | None:
         return None if self.model is None else self.model.kv_state()

@@ -65,13 +65,13 @@ class ModelDrafter(Drafter):
         forward: Forward | None = None,
         head: EagleForward | None = None,
     ):
-        # an EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_hidden``
-        self.uses_target_hidden = is_eagle(model)
+        # an EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_features``
+        self.feature_layers = tuple(model.feature_layers) if is_eagle(model) else ()
         # ``state``: a preallocated one to draft in (``ModelPair.draft_state``); ``forward``: what the
         # draft model's passes call (``ModelPair.draft_forward``; None: transformers' own); ``head``:
         # what an EAGLE head's passes call (``ModelPair.draft_head``; None: its own modules)
         if state is None:
-            state = EagleState(model, head) if self.uses_target_hidden else ModelState(forward or model)
+            state = EagleState(model, head) if self.feature_layers else ModelState(forward or model)
         self.state = state
         self.vocab_size = vocab_size  # the target's logits width
         self.schedule = schedule  # None: always draft k tokens
@@ -226,12 +226,12 @@ class ModelDrafter(Drafter):
         self._fed_at = None
         self.verified = common_prefix_len(state.ids, seq, min(self.verified, len(state.ids)))
 
-    def observe_hidden(self, position: int, hidden: torch.Tensor) -> None:
-        self.state.observe(position, hidden)
+    def observe_features(self, position: int, features: torch.Tensor) -> None:
+        self.state.observe(position, features)
 
     def kv_state(self) -> ModelState | None:
         # an EAGLE head's cache was fed this call's target features, which the prefix cache does not keep
-        return None if self.uses_target_hidden else self.state
+        return None if self.feature_layers else self.state
 
     def adopt_kv_state(self, state: ModelState) -> None:
         self.state = self.state.take(state)  # a static state copies it into its buffers

@@ -122,7 +122,7 @@ def test_prefix_cache_restores_the_target_and_the_head_starts_after_it(epair):
 
 def test_drafter_tracks_the_target_features_through_decode(epair):
     drafter = ModelDrafter(epair.draft, vocab_size=64)
-    assert drafter.uses_target_hidden and drafter.kv_state() is None
+    assert drafter.feature_layers == (-1,) and drafter.kv_state() is None
     agentspec.generate(epair, [1, 2, 3, 4, 5], drafter=drafter, max_new_tokens=12, prefix_cache=False)
     state = drafter.state
     assert state.real >= 10 and state.feat_end >= 16  # 5 prompt + 12 new - the pending last token

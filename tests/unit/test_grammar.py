@@ -90,6 +90,21 @@ def test_greedy_constrained_equals_plain_constrained(gpair, drafter, jump_forwar
         assert valid_prefix(gpair, grammar, r.token_ids)
 
 
+@pytest.mark.parametrize("source", ["LIST", "FORCED"])
+def test_greedy_constrained_with_an_eagle3_head(gpair, source):
+    """An EAGLE-3 head (two layers' features, a draft vocabulary) drafting under the grammar's mask."""
+    from agentspec.head_folder import new_eagle3
+
+    torch.manual_seed(5)
+    head = new_eagle3(gpair.target, [0, 1], draft_ids=torch.arange(0, 48)).eval()
+    pair = ModelPair(target=gpair.target, draft=head, tokenizer=gpair.tokenizer, name="g-eagle3")
+    grammar = G.ebnf(globals()[source])
+    for prompt in PROMPTS:
+        r = agentspec.generate(pair, prompt, "model", False, grammar, max_new_tokens=24, num_draft_tokens=3)
+        assert r.token_ids == reference(pair, prompt, grammar, 24), prompt
+        assert r.stats.draft_tokens > 0
+
+
 def test_jump_forward_forces_tokens_and_saves_passes(gpair):
     grammar = G.ebnf(FORCED)
     prompt = PROMPTS[0]

@@ -14,7 +14,6 @@ from functools import partial
 import pytest
 import torch
 from conftest import needs_bf16
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import agentspec
 from agentspec import lean, linears
@@ -27,54 +26,15 @@ from agentspec.packed import forward_packed
 VOCAB = 97
 
 
-def qwen2(seed: int, **overrides) -> Qwen2ForCausalLM:
-    """A random Qwen2 (q/k/v biases: the family's difference from Llama that the lean forward keeps)."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False, **overrides,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # random biases (they initialise to zero, which would test nothing)
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    return model
-
-
-def qwen3(seed: int, **overrides) -> Qwen3ForCausalLM:
-    """A random Qwen3: each head's q and k RMS-normed before the rotation (random norm weights and
-    q/k/v biases, so both bite; they initialise to ones and zeros)."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, attention_bias=True,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False, **overrides,
-    )  # fmt: skip
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-            for norm in (attn.q_norm, attn.k_norm):
-                norm.weight.uniform_(0.5, 1.5)
-    return model
-
-
-BUILDERS = {"qwen2": qwen2, "qwen3": qwen3}
-
-
-def family_model(tiny_llama, family: str, seed: int = 3):
-    return tiny_llama(seed, vocab_size=VOCAB) if family == "llama" else BUILDERS[family](seed)
+def family_model(tiny_llama, tiny_qwen, family: str, seed: int = 3):
+    return tiny_llama(seed, vocab_size=VOCAB) if family == "llama" else tiny_qwen(family, seed, VOCAB)
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
-def models(request, tiny_llama):
+def models(request, tiny_llama, tiny_qwen):
     """(the model a pair's lean forward reads, an untouched copy for transformers' numbers, the lean
     forward)."""
-    model = family_model(tiny_llama, request.param)
+    model = family_model(tiny_llama, tiny_qwen, request.param)
     untouched = copy.deepcopy(model)
     pair = ModelPair(target=model, tokenizer=None)
     assert isinstance(pair.target_forward, lean.LeanForward) and pair.target_forward.model is model
@@ -117,7 +77,7 @@ def test_the_final_norm_features_come_with_the_logits(models):
     transformers' forward does (``output_hidden_states``' last entry)."""
     model, untouched, lean_forward = models
     ids = [5, 17, 42, 8, 91, 3]
-    logits, hidden = ModelState(lean_forward).forward(ids, 2, hidden=True)
+    logits, hidden = ModelState(lean_forward).forward(ids, 2, features=(-1,))
     with torch.inference_mode():
         out = untouched(torch.tensor([ids]), output_hidden_states=True)
     torch.testing.assert_close(hidden, out.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
@@ -171,9 +131,9 @@ def test_other_callers_keep_transformers_forward(models):
     assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
-def test_a_family_it_does_not_reproduce_keeps_transformers_forward(tiny_llama):
-    sliding = qwen2(0, use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    sliding3 = qwen3(0, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+def test_a_family_it_does_not_reproduce_keeps_transformers_forward(tiny_llama, tiny_qwen):
+    sliding = tiny_qwen("qwen2", 0, VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    sliding3 = tiny_qwen("qwen3", 0, VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     gelu = tiny_llama(0)
     gelu.config.hidden_act = "gelu"
     for model in (sliding, sliding3, gelu):
@@ -199,12 +159,14 @@ def test_a_failed_pass_leaves_the_state_usable(models):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_packed_linears_are_called_directly_with_their_forwards_bits(tiny_llama, monkeypatch, family):
+def test_packed_linears_are_called_directly_with_their_forwards_bits(
+    tiny_llama, tiny_qwen, monkeypatch, family
+):
     """Where a pass's linears are packed (float32, every weight here), the lean forward calls each one's
     kernel directly (``linears.PassLinears.product``), with the bits ``PackedWeight``'s own call gives,
     at one row and at several (the kernel folds the leading dimensions that ``PackedWeight`` flattens)."""
     monkeypatch.setattr(linears, "MIN_PACKED_FLOAT32_BYTES", 0)
-    pair = ModelPair(target=family_model(tiny_llama, family), tokenizer=None)
+    pair = ModelPair(target=family_model(tiny_llama, tiny_qwen, family), tokenizer=None)
     lean_forward = pair.target_forward
     layer = lean_forward.layers[0]
     products = [layer.qkv_product, layer.o_product, layer.gate_up_product, layer.down_product]
@@ -341,11 +303,11 @@ def test_its_layer_norm_way_is_rms_norm_to_a_last_bit():
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_a_qwen3_pair_speculates_transformers_greedy_tokens(perturbed, fake_tokenizer, k):
+def test_a_qwen3_pair_speculates_transformers_greedy_tokens(tiny_qwen, perturbed, fake_tokenizer, k):
     """Speculative decoding on a Qwen3 pair (a draft model that mostly agrees), greedy, through the
     lean forward: token for token what transformers' ``generate()`` gives the target alone, with drafts
     accepted and rejected along the way."""
-    target = qwen3(5)
+    target = tiny_qwen("qwen3", 5, VOCAB)
     draft = perturbed(target, seed=1, noise=0.3)
     pair = ModelPair(target=target, draft=draft, tokenizer=fake_tokenizer(VOCAB), name="tiny-qwen3")
     assert isinstance(pair.target_forward, lean.LeanForward)

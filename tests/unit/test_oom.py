@@ -78,9 +78,9 @@ def test_a_retried_pass_returns_the_new_tokens_hidden_states(monkeypatch, target
     """An EAGLE head reads the pass's hidden states: after a retry, still those of the new tokens."""
     state = ModelState(target)
     state.forward([3, 17, 5, 42], keep=1)
-    want_logits, want_hidden = ModelState(target).forward([3, 17, 5, 42, 9, 11], keep=2, hidden=True)
+    want_logits, want_hidden = ModelState(target).forward([3, 17, 5, 42, 9, 11], keep=2, features=(-1,))
     faulty(monkeypatch, target, {0})
-    logits, hidden = forward_retrying(state, [9, 11], 2, hidden=True)
+    logits, hidden = forward_retrying(state, [9, 11], 2, features=(-1,))
     torch.testing.assert_close(logits, want_logits)
     torch.testing.assert_close(hidden, want_hidden[-2:])
 

@@ -58,6 +58,16 @@ def epair(spair) -> ModelPair:
 
 
 @pytest.fixture(scope="module")
+def e3pair(spair) -> ModelPair:
+    """The same target with an EAGLE-3 head over 10 of its 16 ids (untrained): q = 0 outside them."""
+    from agentspec.head_folder import new_eagle3
+
+    torch.manual_seed(3)
+    head = new_eagle3(spair.target, [0, 1], draft_ids=torch.tensor([0, 1, 2, 3, 5, 7, 9, 11, 12, 15]))
+    return ModelPair(target=spair.target, draft=head.eval(), tokenizer=spair.tokenizer)
+
+
+@pytest.fixture(scope="module")
 def prompts(spair, hf_greedy) -> dict[str, list[int]]:
     base = [3, 9, 4, 1, 12, 7]
     # prompt lookup drafts only what the context holds: the target's own greedy continuation
@@ -178,9 +188,14 @@ def test_reproducible_sampling_is_lossless(spair, prompts, drafter, temperature,
     ("temperature", "top_p", "n"),
     [(0.9, None, N_DEFAULT), pytest.param(1.3, None, N_SLOW, marks=pytest.mark.slow)],
 )
-def test_speculative_sampling_with_an_eagle_head_is_lossless(epair, prompts, temperature, top_p, n):
-    """The head drafts from the second pass on, chaining its own outputs, with the target's features."""
-    print(check_lossless(epair, prompts["model"], "model", n, temperature, top_p))
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
+def test_speculative_sampling_with_an_eagle_head_is_lossless(
+    epair, e3pair, prompts, head, temperature, top_p, n
+):
+    """The head drafts from the second pass on, chaining its own outputs, with the target's features
+    (EAGLE-3: two layers' features, a draft vocabulary)."""
+    pair = epair if head == "eagle" else e3pair
+    print(check_lossless(pair, prompts["model"], "model", n, temperature, top_p))
 
 
 @pytest.mark.slow

@@ -97,7 +97,7 @@ def test_hidden_states_match(target):
     a, b = ModelState(target), StaticState(target, capacity=32)
     a.forward([1, 2, 3], keep=1)
     b.forward([1, 2, 3], keep=1)
-    (la, ha), (lb, hb) = a.forward([4, 5], keep=2, hidden=True), b.forward([4, 5], keep=2, hidden=True)
+    (la, ha), (lb, hb) = a.forward([4, 5], keep=2, features=(-1,)), b.forward([4, 5], keep=2, features=(-1,))
     assert ha.shape == hb.shape == (2, target.config.hidden_size)
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hb, ha, rtol=1e-5, atol=1e-5)

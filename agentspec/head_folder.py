@@ -1,0 +1,289 @@
+"""Reading and writing a draft head in the ``speculators`` format (vllm-project/speculators), the folder
+vLLM and SGLang load (see docs/speculators.md for every field).
+
+A head folder:
+    config.json          ``speculators_model_type`` ("eagle3", ...), the target layers it reads
+                         (``eagle_aux_hidden_state_layer_ids``), its norm switches, ``draft_vocab_size``,
+                         ``transformer_layer_config`` (its decoder layers' transformers config) and
+                         ``speculators_config.verifier`` (the target it was trained for)
+    model.safetensors    ``fc``, ``layers.*``, ``norm``, ``lm_head`` over the draft vocabulary with
+                         ``d2t`` (draft id -> target id offset) and ``t2d`` (target ids kept), and a copy
+                         of the target's ``embed_tokens``
+
+The head shares the target's embeddings (the stored copy is checked and dropped: 113 MB for
+SmolLM2-135M in float32) and, over the whole vocabulary, its LM head. Whatever does not fit the
+target raises ``HeadFolderError`` naming the field before the pair is built.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentspec.drafters.eagle3 import Eagle3Head
+
+log = logging.getLogger(__name__)
+
+TYPE_KEY = "speculators_model_type"
+WEIGHTS = "model.safetensors"
+SUPPORTED = ("eagle3",)
+KNOWN = ("eagle3", "dflash", "dspark", "eagle", "mtp", "peagle", "xpress", "dflash2")
+NORM_OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+class HeadFolderError(ValueError):
+    """A speculators folder that cannot draft for this target: the message names the field."""
+
+
+def is_head_folder(source: Any) -> bool:
+    """Is ``source`` a folder whose config.json names a ``speculators_model_type``?"""
+    if not isinstance(source, (str, Path)):
+        return False
+    path = Path(source).expanduser() / "config.json"
+    try:
+        return TYPE_KEY in json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_head(folder: str | Path, target) -> Eagle3Head:
+    """The head in ``folder`` on ``target``'s embeddings (and LM head), on its device and dtype."""
+    folder = Path(folder).expanduser()
+    config = json.loads((folder / "config.json").read_text())
+    kind = config.get(TYPE_KEY)
+    if kind not in SUPPORTED:
+        known = "a speculators type agentspec does not load yet" if kind in KNOWN else "an unknown type"
+        raise HeadFolderError(
+            f"{folder}: {TYPE_KEY} {kind!r} is {known}; agentspec loads {', '.join(SUPPORTED)}"
+        )
+    state = _read_weights(folder)
+    layer_config = _layer_config(folder, config, target)
+    layers = _feature_layers(folder, config, "eagle_aux_hidden_state_layer_ids", target)
+    _check_verifier(folder, config, target)
+    draft_ids = _draft_ids(folder, config, state, target)
+    head = Eagle3Head(
+        layer_config,
+        layers,
+        target.get_input_embeddings(),
+        target.get_output_embeddings(),
+        options={name: bool(config.get(name, name == "norm_before_residual")) for name in NORM_OPTIONS},
+        draft_ids=draft_ids,
+        own_lm_head="lm_head.weight" in state,
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+    )
+    _check_embeddings(folder, state.pop("embed_tokens.weight", None), target)
+    _load_state(folder, head, state)
+    head.to(device=target.device, dtype=target.dtype)
+    head.name_or_path = str(folder)
+    return head.eval()
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / WEIGHTS
+    if not path.is_file():
+        raise HeadFolderError(f"{folder}: no {WEIGHTS}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise HeadFolderError(
+            f"{path}: not a readable safetensors file (corrupt or truncated): {exc}"
+        ) from exc
+
+
+def _layer_config(folder: Path, config: dict, target) -> Any:
+    """The decoder layers' transformers config, checked against the target's width and vocabulary."""
+    from transformers import AutoConfig
+
+    raw = config.get("transformer_layer_config")
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise HeadFolderError(f"{folder}: transformer_layer_config is missing or has no model_type")
+    raw = dict(raw)
+    try:
+        layer_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise HeadFolderError(f"{folder}: transformer_layer_config: {exc}") from exc
+    width, vocab = target.config.hidden_size, target.get_output_embeddings().weight.shape[0]
+    declared = config.get("target_hidden_size")
+    if declared is not None and declared != width:
+        raise HeadFolderError(
+            f"{folder}: target_hidden_size {declared} is not the target's hidden size {width}"
+        )
+    for name, want in (("hidden_size", width), ("vocab_size", vocab)):
+        if getattr(layer_config, name) != want:
+            got = getattr(layer_config, name)
+            raise HeadFolderError(
+                f"{folder}: transformer_layer_config.{name} {got} is not the target's {want}"
+            )
+    return layer_config
+
+
+def _feature_layers(folder: Path, config: dict, key: str, target) -> list[int]:
+    """The target layers the head reads (the residual stream entering each), checked in range."""
+    layers = config.get(key)
+    n = target.config.num_hidden_layers
+    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) for i in layers):
+        raise HeadFolderError(f"{folder}: {key} must be a list of layer ids, got {layers!r}")
+    if bad := [i for i in layers if not 0 <= i < n]:
+        # id n (speculators allows it) is the last layer's output before the final norm, which the
+        # passes do not keep
+        raise HeadFolderError(f"{folder}: {key} {bad} out of range for a target of {n} layers (0..{n - 1})")
+    return layers
+
+
+def _draft_ids(folder: Path, config: dict, state: dict, target) -> torch.Tensor | None:
+    """Each draft id's target id (``arange + d2t``), checked; None for a head over the whole vocabulary."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    size = config.get("draft_vocab_size", vocab)
+    d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
+    if d2t is None:
+        if size != vocab:
+            raise HeadFolderError(f"{folder}: draft_vocab_size {size} needs d2t and t2d in {WEIGHTS}")
+        return None
+    if d2t.shape != (size,):
+        raise HeadFolderError(f"{folder}: d2t has shape {list(d2t.shape)}, not [draft_vocab_size={size}]")
+    ids = torch.arange(size) + d2t.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(set(ids.tolist())) != size:
+        raise HeadFolderError(
+            f"{folder}: d2t maps draft ids outside the target vocabulary [0, {vocab}) or twice"
+        )
+    if t2d is not None:
+        if t2d.shape != (vocab,) or int(t2d.sum()) != size:
+            raise HeadFolderError(
+                f"{folder}: t2d has shape {list(t2d.shape)} and {int(t2d.sum())} ids set, "
+                f"not [{vocab}] with draft_vocab_size={size}"
+            )
+        if not bool(t2d.bool()[ids].all()):
+            raise HeadFolderError(f"{folder}: d2t and t2d disagree on the draft vocabulary")
+    return ids
+
+
+def _check_verifier(folder: Path, config: dict, target) -> None:
+    """A warning when the head names another verifier than ``target`` (the output stays the target's;
+    few drafts would be accepted)."""
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    name = Path(str(verifier.get("name_or_path") or "")).name
+    mine = Path(str(getattr(target.config, "name_or_path", "") or "")).name
+    archs, my_archs = verifier.get("architectures"), getattr(target.config, "architectures", None)
+    if name and mine and name.lower() != mine.lower():
+        log.warning("%s: a head trained for %r drafts for %r", folder, name, mine)
+    if archs and my_archs and list(archs) != list(my_archs):
+        log.warning("%s: a head trained for a %s drafts for a %s", folder, archs, my_archs)
+
+
+def _check_embeddings(folder: Path, stored: torch.Tensor | None, target) -> None:
+    embed = target.get_input_embeddings().weight
+    if stored is None:
+        return
+    if stored.shape != embed.shape:
+        raise HeadFolderError(
+            f"{folder}: embed_tokens has shape {list(stored.shape)}; the target's is {list(embed.shape)}"
+        )
+    if not torch.allclose(stored.float(), embed.detach().float().cpu(), atol=1e-2, rtol=1e-2):
+        log.warning("%s: the head's embed_tokens are not the target's: it drafts with the target's", folder)
+
+
+def _load_state(folder: Path, head: Eagle3Head, state: dict) -> None:
+    own = head.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise HeadFolderError(f"{folder}: {WEIGHTS} does not fit its config: {missing=} {unexpected=}")
+    for name, tensor in state.items():
+        if tensor.shape != own[name].shape:
+            wide = " (layers x hidden size wide)" if name == "fc.weight" else ""
+            shape = list(own[name].shape)
+            raise HeadFolderError(
+                f"{folder}: {name} has shape {list(tensor.shape)}, the config makes it {shape}{wide}"
+            )
+    head.load_state_dict(state)
+
+
+def save_head(
+    head: Eagle3Head, folder: str | Path, *, verifier: Any, with_embeddings: bool = False, tokens: int = 3
+) -> Path:
+    """Write ``head`` as a speculators eagle3 folder (what vLLM loads with ``method="eagle3"``).
+
+    ``verifier``: the target (its config names it); ``with_embeddings``: store a copy of its embeddings
+    (as speculators does; agentspec and vLLM share the target's without it); ``tokens``: the
+    proposal's speculative tokens the config declares.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    vocab = head.vocab_size
+    if head.draft_ids is not None:
+        ids = head.draft_ids.cpu()
+        state["d2t"] = ids - torch.arange(len(ids))
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids] = True
+        state["t2d"] = t2d
+    if with_embeddings:
+        state["embed_tokens.weight"] = head.embed.weight.detach().cpu().to(head.dtype).contiguous()
+    save_file(state, str(folder / WEIGHTS))
+    layer_config = head.config.to_dict()
+    layer_config.pop("_attn_implementation_autoset", None)
+    config = {
+        "architectures": ["Eagle3DraftModel"],
+        TYPE_KEY: "eagle3",
+        "speculators_version": "0.9.0",
+        "draft_vocab_size": vocab if head.draft_ids is None else len(head.draft_ids),
+        "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
+        "norm_before_residual": head.norm_before_residual,
+        "norm_before_fc": hasattr(head, "input_norm"),
+        "fc_norm": hasattr(head, "fc_norm"),
+        "norm_output": head.norm_output,
+        "embed_requires_grad": False,
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+        "dtype": str(head.dtype).removeprefix("torch."),
+        "transformer_layer_config": layer_config,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": tokens,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {
+                "architectures": list(getattr(verifier.config, "architectures", None) or []),
+                "name_or_path": str(getattr(verifier.config, "name_or_path", "") or ""),
+            },
+        },
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def new_eagle3(
+    target, feature_layers, *, draft_ids: torch.Tensor | None = None, layers: int = 1
+) -> Eagle3Head:
+    """A randomly initialised EAGLE-3 head for ``target`` (its family's layers), on its device and dtype."""
+    import copy
+
+    layer_config = copy.deepcopy(target.config)
+    layer_config.num_hidden_layers = layers
+    if getattr(layer_config, "layer_types", None):
+        layer_config.layer_types = list(layer_config.layer_types[:layers])
+    head = Eagle3Head(
+        layer_config,
+        feature_layers,
+        target.get_input_embeddings(),
+        target.get_output_embeddings(),
+        options={"norm_before_residual": True},
+        draft_ids=draft_ids,
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+    )
+    return head.to(device=target.device, dtype=target.dtype)

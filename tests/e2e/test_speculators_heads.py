@@ -1,0 +1,102 @@
+"""EAGLE-3 heads that speculators itself built and saved, loaded by agentspec (``agentspec.head_folder``).
+
+speculators pins a transformers below ours, so it runs in ``.venv-vllm`` (``make vllm`` installs it):
+``speculators_reference.py`` builds a head there for a tiny target folder written here, saves it with
+``save_pretrained`` and records its own module's logits. Here the same folder drafts for the same
+target: the target's features for the head's layers are speculators' (same layer numbering), the
+head's logits are its module's for the first step and a chained draft step, and decoding with it is
+token-identical to plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import agentspec
+from agentspec import ModelPair
+from agentspec.drafters.eagle import EagleState
+from agentspec.fleet.vllm import VLLM_PYTHON
+from agentspec.head_folder import load_head
+from agentspec.kv import ModelState
+
+pytestmark = [
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON}: make vllm"),
+    pytest.mark.usefixtures("one_thread"),
+]
+
+SCRIPT = Path(__file__).with_name("speculators_reference.py")
+VOCAB = 96
+
+# (target family, the head's options): each norm switch and a second decoder layer, on both families
+CASES = {
+    "llama": ("llama", {"aux": [0, 2, 3], "draft_vocab": 48}),
+    "llama-2-layers-fc-norm": (
+        "llama",
+        {"aux": [1, 3], "layers": 2, "fc_norm": True, "norm_before_residual": False},
+    ),
+    "qwen3-norm-before-fc-output": (
+        "qwen3",
+        {"aux": [0, 1, 3], "draft_vocab": 40, "norm_before_fc": True, "norm_output": True},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def built(request, tmp_path_factory, tiny_llama, tiny_qwen):
+    family, options = CASES[request.param]
+    target = (
+        tiny_llama(7, vocab_size=VOCAB, layers=4, max_positions=256)
+        if family == "llama"
+        else tiny_qwen("qwen3", 7, VOCAB, layers=4)
+    )
+    out = tmp_path_factory.mktemp(request.param)
+    target.save_pretrained(out / "target")
+    run = subprocess.run(
+        [str(VLLM_PYTHON), str(SCRIPT), str(out / "target"), str(out), json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = torch.load(out / "reference.pt")
+    return target, load_head(out / "head", target), reference, options
+
+
+def test_the_targets_features_are_speculators_layers(built):
+    target, head, ref, options = built
+    ids = ref["ids"].tolist()
+    _, features = ModelState(target).forward(ids[:-1], keep=1, features=tuple(options["aux"]))
+    assert head.feature_layers == tuple(options["aux"])
+    torch.testing.assert_close(features, ref["features"], atol=1e-5, rtol=1e-4)
+
+
+def test_the_heads_logits_are_speculators_modules(built):
+    """Step 0 (every token beside the previous position's features) and one chained draft step (the
+    token beside the head's own output), over the draft vocabulary."""
+    target, head, ref, _ = built
+    ids, features = ref["ids"].tolist(), ref["features"]
+    cols = head.draft_ids if head.draft_ids is not None else slice(None)
+    n = len(ids) - 2  # speculators' second step has a true next token for all but the last position
+    state = EagleState(head)
+    state.observe(0, features[:n])
+    with torch.no_grad():
+        first = state.forward(ids[: n + 1], keep=n)  # x_1..x_n: x_0 has no feature before it
+        chained = state.forward([ids[n + 1]], keep=1)  # past the features: the head's own output
+    torch.testing.assert_close(first[:, cols], ref["logits"][0][:n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chained[0, cols], ref["logits"][1][n - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_decoding_with_speculators_head_is_lossless(built, fake_tokenizer):
+    target, head, _, _ = built
+    pair = ModelPair(target=target, draft=head, tokenizer=fake_tokenizer(VOCAB), name="speculators-head")
+    for prompt in ([3, 17, 5, 42, 9, 11, 60], [4, 8, 15, 16, 23, 42] * 4):
+        plain = agentspec.generate(pair, prompt, speculative=False, max_new_tokens=30, prefix_cache=False)
+        for k in (1, 3):
+            spec = agentspec.generate(pair, prompt, drafter="model", num_draft_tokens=k, max_new_tokens=30)
+            assert spec.token_ids == plain.token_ids, k
+            assert spec.stats.draft_tokens > 0
