@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 
+from agentspec.drafters.block import BlockHead
 from agentspec.drafters.eagle3 import Eagle3Head
 
 log = logging.getLogger(__name__)
 
 TYPE_KEY = "speculators_model_type"
 WEIGHTS = "model.safetensors"
-SUPPORTED = ("eagle3",)
+SUPPORTED = ("eagle3", "dflash", "dspark")
 KNOWN = ("eagle3", "dflash", "dspark", "eagle", "mtp", "peagle", "xpress", "dflash2")
 NORM_OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
@@ -50,7 +51,7 @@ def is_head_folder(source: Any) -> bool:
         return False
 
 
-def load_head(folder: str | Path, target) -> Eagle3Head:
+def load_head(folder: str | Path, target) -> Eagle3Head | BlockHead:
     """The head in ``folder`` on ``target``'s embeddings (and LM head), on its device and dtype."""
     folder = Path(folder).expanduser()
     config = json.loads((folder / "config.json").read_text())
@@ -62,19 +63,23 @@ def load_head(folder: str | Path, target) -> Eagle3Head:
         )
     state = _read_weights(folder)
     layer_config = _layer_config(folder, config, target)
-    layers = _feature_layers(folder, config, "eagle_aux_hidden_state_layer_ids", target)
     _check_verifier(folder, config, target)
     draft_ids = _draft_ids(folder, config, state, target)
-    head = Eagle3Head(
-        layer_config,
-        layers,
-        target.get_input_embeddings(),
-        target.get_output_embeddings(),
-        options={name: bool(config.get(name, name == "norm_before_residual")) for name in NORM_OPTIONS},
-        draft_ids=draft_ids,
-        own_lm_head="lm_head.weight" in state,
-        vocab_size=target.get_output_embeddings().weight.shape[0],
-    )
+    shared = {
+        "embed": target.get_input_embeddings(),
+        "head": target.get_output_embeddings(),
+        "draft_ids": draft_ids,
+        "own_lm_head": "lm_head.weight" in state,
+        "vocab_size": target.get_output_embeddings().weight.shape[0],
+    }
+    if kind == "eagle3":
+        layers = _feature_layers(folder, config, "eagle_aux_hidden_state_layer_ids", target)
+        options = {name: bool(config.get(name, name == "norm_before_residual")) for name in NORM_OPTIONS}
+        head = Eagle3Head(layer_config, layers, options=options, **shared)
+    else:
+        layers = _feature_layers(folder, config, "aux_hidden_state_layer_ids", target)
+        options = _block_options(folder, config, shared["vocab_size"])
+        head = BlockHead(kind, block_layer_config(folder, layer_config), layers, options=options, **shared)
     _check_embeddings(folder, state.pop("embed_tokens.weight", None), target)
     _load_state(folder, head, state)
     head.to(device=target.device, dtype=target.dtype)
@@ -137,6 +142,60 @@ def _feature_layers(folder: Path, config: dict, key: str, target) -> list[int]:
     return layers
 
 
+BLOCK_OPTIONS = (
+    "block_size", "mask_token_id", "sample_from_anchor", "markov_rank", "markov_head_type",
+    "enable_confidence_head", "confidence_head_with_markov",
+)  # fmt: skip
+
+
+def _block_options(folder: Path, config: dict, vocab: int) -> dict:
+    """A DFlash or DSpark folder's block options, checked."""
+    options = {name: config[name] for name in BLOCK_OPTIONS if config.get(name) is not None}
+    block, mask = options.get("block_size"), options.get("mask_token_id")
+    if not isinstance(block, int) or block < 2:
+        raise HeadFolderError(f"{folder}: block_size must be an integer of at least 2, got {block!r}")
+    if not isinstance(mask, int) or not 0 <= mask < vocab:
+        raise HeadFolderError(f"{folder}: mask_token_id must be a token id in [0, {vocab}), got {mask!r}")
+    if config.get(TYPE_KEY) == "dspark":
+        rank = options.get("markov_rank")
+        if not isinstance(rank, int) or rank < 1:
+            raise HeadFolderError(f"{folder}: markov_rank must be a positive integer, got {rank!r}")
+        if options.get("markov_head_type", "vanilla") not in ("vanilla", "gated", "rnn"):
+            raise HeadFolderError(f"{folder}: markov_head_type {options['markov_head_type']!r} is unknown")
+    return options
+
+
+def block_layer_config(folder: Path | str, layer_config: Any) -> Any:
+    """The Qwen3 config of a block head's layers (q/k-normed whatever the target's family), from its
+    ``transformer_layer_config``; a one-row embedding table (the head embeds with the target's)."""
+    from transformers import Qwen3Config
+
+    if any(kind != "full_attention" for kind in getattr(layer_config, "layer_types", None) or []):
+        raise HeadFolderError(
+            f"{folder}: transformer_layer_config.layer_types: sliding-window layers are not supported"
+        )
+    heads = layer_config.num_attention_heads
+    config = Qwen3Config(
+        vocab_size=1,
+        hidden_size=layer_config.hidden_size,
+        intermediate_size=layer_config.intermediate_size,
+        num_hidden_layers=layer_config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=layer_config.num_key_value_heads,
+        head_dim=getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads,
+        hidden_act=layer_config.hidden_act,
+        rms_norm_eps=layer_config.rms_norm_eps,
+        rope_parameters=layer_config.rope_parameters,
+        attention_bias=getattr(layer_config, "attention_bias", False),
+        max_position_embeddings=layer_config.max_position_embeddings,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
 def _draft_ids(folder: Path, config: dict, state: dict, target) -> torch.Tensor | None:
     """Each draft id's target id (``arange + d2t``), checked; None for a head over the whole vocabulary."""
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -189,7 +248,7 @@ def _check_embeddings(folder: Path, stored: torch.Tensor | None, target) -> None
         log.warning("%s: the head's embed_tokens are not the target's: it drafts with the target's", folder)
 
 
-def _load_state(folder: Path, head: Eagle3Head, state: dict) -> None:
+def _load_state(folder: Path, head: Eagle3Head | BlockHead, state: dict) -> None:
     own = head.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -206,13 +265,12 @@ def _load_state(folder: Path, head: Eagle3Head, state: dict) -> None:
 
 
 def save_head(
-    head: Eagle3Head, folder: str | Path, *, verifier: Any, with_embeddings: bool = False, tokens: int = 3
+    head: Eagle3Head | BlockHead, folder: str | Path, *, verifier: Any, with_embeddings: bool = False
 ) -> Path:
-    """Write ``head`` as a speculators eagle3 folder (what vLLM loads with ``method="eagle3"``).
+    """Write ``head`` as a speculators folder (what vLLM loads with ``method=`` its type).
 
     ``verifier``: the target (its config names it); ``with_embeddings``: store a copy of its embeddings
-    (as speculators does; agentspec and vLLM share the target's without it); ``tokens``: the
-    proposal's speculative tokens the config declares.
+    (as speculators does for EAGLE-3; agentspec and vLLM share the target's without it).
     """
     from safetensors.torch import save_file
 
@@ -231,28 +289,25 @@ def save_head(
     save_file(state, str(folder / WEIGHTS))
     layer_config = head.config.to_dict()
     layer_config.pop("_attn_implementation_autoset", None)
+    layer_config["vocab_size"] = vocab  # a block head's own config has a one-row table
+    kind = head.architecture
     config = {
-        "architectures": ["Eagle3DraftModel"],
-        TYPE_KEY: "eagle3",
+        "architectures": [ARCHITECTURES[kind]],
+        TYPE_KEY: kind,
         "speculators_version": "0.9.0",
         "draft_vocab_size": vocab if head.draft_ids is None else len(head.draft_ids),
-        "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
-        "norm_before_residual": head.norm_before_residual,
-        "norm_before_fc": hasattr(head, "input_norm"),
-        "fc_norm": hasattr(head, "fc_norm"),
-        "norm_output": head.norm_output,
-        "embed_requires_grad": False,
+        **_format_fields(head),
         "target_hidden_size": None,
         "tie_word_embeddings": False,
         "dtype": str(head.dtype).removeprefix("torch."),
         "transformer_layer_config": layer_config,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": kind,
             "default_proposal_method": "greedy",
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": tokens,
+                    "speculative_tokens": getattr(head, "drafts_per_block", 3),
                     "accept_tolerance": 0.0,
                     "verifier_accept_k": 1,
                 }
@@ -265,6 +320,37 @@ def save_head(
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
+
+
+def _format_fields(head: Eagle3Head | BlockHead) -> dict:
+    """The config.json fields of ``head``'s type."""
+    if isinstance(head, Eagle3Head):
+        return {
+            "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
+            "norm_before_residual": head.norm_before_residual,
+            "norm_before_fc": hasattr(head, "input_norm"),
+            "fc_norm": hasattr(head, "fc_norm"),
+            "norm_output": head.norm_output,
+            "embed_requires_grad": False,
+        }
+    fields = {
+        "aux_hidden_state_layer_ids": list(head.feature_layers),
+        "block_size": head.block_size,
+        "mask_token_id": head.mask_token_id,
+        "sample_from_anchor": head.sample_from_anchor,
+        "sliding_window_non_causal": False,
+    }
+    if head.markov_type is not None:
+        fields.update(
+            markov_rank=head.markov_head.markov_w1.embedding_dim,
+            markov_head_type=head.markov_type,
+            enable_confidence_head=hasattr(head, "confidence_head"),
+            confidence_head_with_markov=head.with_markov,
+        )
+    return fields
 
 
 def new_eagle3(
@@ -284,6 +370,37 @@ def new_eagle3(
         target.get_output_embeddings(),
         options={"norm_before_residual": True},
         draft_ids=draft_ids,
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+    )
+    return head.to(device=target.device, dtype=target.dtype)
+
+
+def new_block_head(
+    target, kind: str, feature_layers, *, block_size: int = 4, mask_token_id: int = 0, markov_rank: int = 8,
+    draft_ids: torch.Tensor | None = None, layers: int = 1, **options,
+) -> BlockHead:  # fmt: skip
+    """A randomly initialised DFlash or DSpark head for ``target``, on its device and dtype."""
+    import copy
+
+    layer_config = copy.deepcopy(target.config)
+    layer_config.num_hidden_layers = layers
+    if getattr(layer_config, "layer_types", None):
+        layer_config.layer_types = list(layer_config.layer_types[:layers])
+    options = {
+        "block_size": block_size,
+        "mask_token_id": mask_token_id,
+        "markov_rank": markov_rank,
+        **options,
+    }
+    head = BlockHead(
+        kind,
+        block_layer_config("new", layer_config),
+        feature_layers,
+        target.get_input_embeddings(),
+        target.get_output_embeddings(),
+        options=options,
+        draft_ids=draft_ids,
+        own_lm_head=draft_ids is not None,
         vocab_size=target.get_output_embeddings().weight.shape[0],
     )
     return head.to(device=target.device, dtype=target.dtype)

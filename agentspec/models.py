@@ -30,8 +30,7 @@ import torch
 from agentspec import warm
 from agentspec.attention import NAME, invariant_rows, use_grouped_sdpa
 from agentspec.cost import PairCost
-from agentspec.drafters.eagle import EagleForward, EagleHead, is_eagle
-from agentspec.drafters.eagle3 import Eagle3Head
+from agentspec.drafters.eagle import EagleForward, EagleHead, FeatureHead, is_feature_head
 from agentspec.drafters.tenants import TenantStore
 from agentspec.forward import Forward, PlainForward
 from agentspec.grammar import GrammarCompiler
@@ -267,8 +266,9 @@ class ModelPair:
     draft_forward: Forward | None = field(init=False, repr=False, compare=False)
     # what an EAGLE head's passes call: for an EAGLE-1 head (agentspec.drafters.eagle.EagleForward) its
     # decoder layer's lean forward, its fc and the LM head it shares with the target as the pair
-    # computes them; an EAGLE-3 head (agentspec.drafters.eagle3) itself; None without a head
-    draft_head: EagleForward | Eagle3Head | None = field(init=False, repr=False, compare=False)
+    # computes them; an EAGLE-3, DFlash or DSpark head (agentspec.drafters.eagle3, .block) itself;
+    # None without a head
+    draft_head: EagleForward | FeatureHead | None = field(init=False, repr=False, compare=False)
     # how the lean forwards compute their CPU linears (prepacked, weight-first), found once here
     pass_linears: PassLinears = field(init=False, repr=False, compare=False)
     # the tokenizer's grammar compiler, built on first use (``grammar_compiler``)
@@ -280,8 +280,8 @@ class ModelPair:
     )
 
     def __post_init__(self) -> None:
-        head = self.draft if self.draft is not None and is_eagle(self.draft) else None
-        eagle1 = head if isinstance(head, EagleHead) else None  # an EAGLE-3 head runs its own modules
+        head = self.draft if is_feature_head(self.draft) else None
+        eagle1 = head if isinstance(head, EagleHead) else None  # the others run their own modules
         self.target_forward = self._forward(self.target)
         self.draft_forward = self._forward(self.draft) if self.draft is not None and head is None else None
         decoder = self._head_decoder(eagle1)
@@ -327,8 +327,8 @@ class ModelPair:
         """The draft model's state for a call: None for a dynamic cache (each drafter makes its own
         ``ModelState``), else the pair's one ``StaticState``, built on first use and reused by every
         call (they hold ``lock`` in turn), so its buffers and compiled graph are made once."""
-        if self.draft_cache == "dynamic" or self.draft is None or is_eagle(self.draft):
-            return None  # an EAGLE head keeps the features it drafts from: its own state
+        if self.draft_cache == "dynamic" or self.draft is None or is_feature_head(self.draft):
+            return None  # a head keeps the features it drafts from: its own state
         if self._draft_state is None:
             self._draft_state = StaticState(self.draft, compiled=self.draft_cache == "compiled")
         return self._draft_state

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from agentspec.drafters.eagle import EagleState, is_eagle
+from agentspec.drafters.block import BlockHead, BlockState
+from agentspec.drafters.eagle import EagleState, is_feature_head
 from agentspec.kv import ModelState
 from agentspec.threads import release_pool
 
@@ -39,11 +40,13 @@ def warm_up(pair: Any) -> float:
     """Run each kind of pass of ``pair`` once (see the module doc); the seconds it took."""
     start = time.perf_counter()
     ids = _token_ids(pair.tokenizer, PREFILL_ROWS + sum(VERIFY_ROWS))
-    eagle = pair.draft is not None and is_eagle(pair.draft)
+    head = pair.draft if is_feature_head(pair.draft) else None
     with torch.inference_mode():
-        feats = _target_passes(pair.target_forward, ids, pair.draft.feature_layers if eagle else ())
-        if eagle:
-            _eagle_passes(pair.draft, pair.draft_head, ids, feats)
+        feats = _target_passes(pair.target_forward, ids, head.feature_layers if head is not None else ())
+        if isinstance(head, BlockHead):
+            _block_passes(head, ids, feats)
+        elif head is not None:
+            _eagle_passes(head, pair.draft_head, ids, feats)
         elif pair.draft is not None:
             _target_passes(pair.draft_forward, ids, ())
     threading.Thread(target=pair.grammar_compiler.prepare, name="agentspec-grammar").start()
@@ -83,3 +86,13 @@ def _eagle_passes(head: Any, run: Any, ids: list[int], feats: list[torch.Tensor]
         pos += rows
     for token in ids[:3]:  # drafting: each step fed the head's own last output
         state.forward([token], 1)
+
+
+def _block_passes(head: BlockHead, ids: list[int], feats: list[torch.Tensor]) -> None:
+    """A DFlash or DSpark head's context fed the target's features as a call feeds it, and a block."""
+    state = BlockState(head)
+    pos = 0
+    for rows, features in zip((PREFILL_ROWS, *VERIFY_ROWS), feats, strict=True):
+        state.observe(pos, features)
+        pos += rows
+    head.block(ids[pos - 1], state.cache)

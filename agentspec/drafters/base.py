@@ -33,6 +33,9 @@ class Draft:
     tokens: list[int] | torch.Tensor
     q: torch.Tensor | None = None
     source: str | None = None
+    # [len(tokens)]: each token's estimated chance of surviving verification given that those before
+    # it did (a DSpark head's confidence head); None where the drafter has no estimate
+    survival: torch.Tensor | None = None
 
 
 class Drafter:

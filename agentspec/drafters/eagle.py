@@ -128,6 +128,12 @@ class EagleHead(FeatureHead):
         return self.head(self.hidden(feats, ids, cache, attention_mask))
 
 
+def is_feature_head(model) -> bool:
+    """Whether ``model`` is a head drafting from the target's features (EAGLE, DFlash, DSpark), not a
+    draft model of its own."""
+    return isinstance(model, FeatureHead)
+
+
 def is_eagle(model) -> bool:
     """Whether ``model`` is a head drafting from the target's features (EAGLE-1 or EAGLE-3)."""
     return getattr(model, "architecture", None) in HEAD_ARCHITECTURES

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from agentspec.drafters.base import Drafter
+from agentspec.drafters.block import BlockDrafter, BlockHead
 from agentspec.drafters.hybrid import DraftMemory, HybridDrafter
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
@@ -56,11 +57,16 @@ def _scheduled(pair: DraftSource, memory: DraftMemory) -> ModelDrafter:
 
 
 def _auto(pair: DraftSource, memory: DraftMemory) -> Drafter:
-    return HybridDrafter(memory, model=_scheduled(pair, memory) if pair.draft is not None else None)
+    # a block head has no confidence schedule yet (issue 49 builds one on its survival estimates):
+    # "auto" then drafts from the suffix trees alone
+    scheduled = pair.draft is not None and not isinstance(pair.draft, BlockHead)
+    return HybridDrafter(memory, model=_scheduled(pair, memory) if scheduled else None)
 
 
 def _model(pair: DraftSource, memory: DraftMemory) -> Drafter:
     _needs_draft(pair, "model")
+    if isinstance(pair.draft, BlockHead):  # a DFlash or DSpark head: a block per forward
+        return BlockDrafter(pair.draft, _vocab(pair))
     return ModelDrafter(
         pair.draft,
         vocab_size=_vocab(pair),
@@ -72,6 +78,8 @@ def _model(pair: DraftSource, memory: DraftMemory) -> Drafter:
 
 def _model_scheduled(pair: DraftSource, memory: DraftMemory) -> Drafter:
     _needs_draft(pair, "model_scheduled")
+    if isinstance(pair.draft, BlockHead):
+        raise ValueError("drafter='model_scheduled' drafts with a draft model or an EAGLE head; use 'model'")
     return _scheduled(pair, memory)
 
 

@@ -1,11 +1,13 @@
-"""EAGLE-3 heads that speculators itself built and saved, loaded by agentspec (``agentspec.head_folder``).
+"""Heads that speculators itself built and saved (EAGLE-3, DFlash, DSpark), loaded by agentspec
+(``agentspec.head_folder``).
 
 speculators pins a transformers below ours, so it runs in ``.venv-vllm`` (``make vllm`` installs it):
 ``speculators_reference.py`` builds a head there for a tiny target folder written here, saves it with
 ``save_pretrained`` and records its own module's logits. Here the same folder drafts for the same
 target: the target's features for the head's layers are speculators' (same layer numbering), the
-head's logits are its module's for the first step and a chained draft step, and decoding with it is
-token-identical to plain decoding.
+head's logits are its module's (EAGLE-3: the first step and a chained draft step; DFlash and DSpark:
+a block, with DSpark's Markov bias and confidence), and decoding with it is token-identical to
+plain decoding.
 """
 
 from __future__ import annotations
@@ -43,7 +45,37 @@ CASES = {
         "qwen3",
         {"aux": [0, 1, 3], "draft_vocab": 40, "norm_before_fc": True, "norm_output": True},
     ),
+    "dflash-llama": ("llama", {"kind": "dflash", "aux": [1, 2, 3], "block_size": 4, "mask_token_id": 5}),
+    "dflash-qwen3-2-layers": (
+        "qwen3",
+        {
+            "kind": "dflash",
+            "aux": [0, 3],
+            "layers": 2,
+            "block_size": 5,
+            "mask_token_id": 0,
+            "draft_vocab": 40,
+        },
+    ),
+    "dspark-llama": (
+        "llama",
+        {"kind": "dspark", "aux": [1, 2, 3], "block_size": 4, "mask_token_id": 5, "markov_rank": 8},
+    ),
+    "dspark-qwen3-gated-no-anchor": (
+        "qwen3",
+        {
+            "kind": "dspark",
+            "aux": [0, 2],
+            "block_size": 4,
+            "mask_token_id": 1,
+            "markov_rank": 6,
+            "markov_head_type": "gated",
+            "sample_from_anchor": False,
+            "draft_vocab": 48,
+        },
+    ),  # fmt: skip
 }
+BLOCK = ("dflash", "dspark")
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -70,7 +102,8 @@ def built(request, tmp_path_factory, tiny_llama, tiny_qwen):
 def test_the_targets_features_are_speculators_layers(built):
     target, head, ref, options = built
     ids = ref["ids"].tolist()
-    _, features = ModelState(target).forward(ids[:-1], keep=1, features=tuple(options["aux"]))
+    n = len(ref["features"])
+    _, features = ModelState(target).forward(ids[:n], keep=1, features=tuple(options["aux"]))
     assert head.feature_layers == tuple(options["aux"])
     torch.testing.assert_close(features, ref["features"], atol=1e-5, rtol=1e-4)
 
@@ -78,7 +111,9 @@ def test_the_targets_features_are_speculators_layers(built):
 def test_the_heads_logits_are_speculators_modules(built):
     """Step 0 (every token beside the previous position's features) and one chained draft step (the
     token beside the head's own output), over the draft vocabulary."""
-    target, head, ref, _ = built
+    target, head, ref, options = built
+    if options.get("kind") in BLOCK:
+        return check_block(head, ref)
     ids, features = ref["ids"].tolist(), ref["features"]
     cols = head.draft_ids if head.draft_ids is not None else slice(None)
     n = len(ids) - 2  # speculators' second step has a true next token for all but the last position
@@ -89,6 +124,28 @@ def test_the_heads_logits_are_speculators_modules(built):
         chained = state.forward([ids[n + 1]], keep=1)  # past the features: the head's own output
     torch.testing.assert_close(first[:, cols], ref["logits"][0][:n], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(chained[0, cols], ref["logits"][1][n - 1], atol=1e-4, rtol=1e-4)
+
+
+def check_block(head, ref):
+    """The block anchored at ``ref["anchor"]`` after the features of the positions before it; DSpark's
+    sequential step on the true previous tokens, and its confidence."""
+    from agentspec.drafters.block import BlockState
+
+    ids, features, anchor = ref["ids"].tolist(), ref["features"], ref["anchor"]
+    cols = head.draft_ids if head.draft_ids is not None else slice(None)
+    state = BlockState(head)
+    with torch.no_grad():
+        state.observe(0, features[:anchor])
+        hid = head.block(ids[anchor], state.cache)
+        if head.markov_type is None:
+            logits = head.scores(hid)
+            torch.testing.assert_close(logits[:, cols], ref["logits"], atol=1e-4, rtol=1e-4)
+            return
+        markov = None
+        for slot, prev in enumerate(ref["prev"].tolist()):
+            logits, survival, markov = head.step(hid[slot], prev, markov)
+            torch.testing.assert_close(logits[cols], ref["logits"][slot], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(survival, torch.sigmoid(ref["confidence"][slot]), atol=1e-5, rtol=1e-4)
 
 
 def test_decoding_with_speculators_head_is_lossless(built, fake_tokenizer):

@@ -90,14 +90,19 @@ def test_greedy_constrained_equals_plain_constrained(gpair, drafter, jump_forwar
         assert valid_prefix(gpair, grammar, r.token_ids)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
 @pytest.mark.parametrize("source", ["LIST", "FORCED"])
-def test_greedy_constrained_with_an_eagle3_head(gpair, source):
-    """An EAGLE-3 head (two layers' features, a draft vocabulary) drafting under the grammar's mask."""
-    from agentspec.head_folder import new_eagle3
+def test_greedy_constrained_with_a_speculators_head(gpair, source, kind):
+    """Heads in the speculators format (two layers' features; EAGLE-3 over a draft vocabulary) drafting
+    under the grammar: EAGLE-3 under its mask, the block heads fit to it by the loop."""
+    from agentspec.head_folder import new_block_head, new_eagle3
 
     torch.manual_seed(5)
-    head = new_eagle3(gpair.target, [0, 1], draft_ids=torch.arange(0, 48)).eval()
-    pair = ModelPair(target=gpair.target, draft=head, tokenizer=gpair.tokenizer, name="g-eagle3")
+    if kind == "eagle3":
+        head = new_eagle3(gpair.target, [0, 1], draft_ids=torch.arange(0, 48))
+    else:
+        head = new_block_head(gpair.target, kind, [0, 1], block_size=4, mask_token_id=20)
+    pair = ModelPair(target=gpair.target, draft=head.eval(), tokenizer=gpair.tokenizer, name=f"g-{kind}")
     grammar = G.ebnf(globals()[source])
     for prompt in PROMPTS:
         r = agentspec.generate(pair, prompt, "model", False, grammar, max_new_tokens=24, num_draft_tokens=3)

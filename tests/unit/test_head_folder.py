@@ -1,5 +1,5 @@
-"""EAGLE-3 heads in the speculators format (``agentspec.head_folder``, ``agentspec.drafters.eagle3``):
-what a malformed folder is told, and decoding with a head losslessly on every path.
+"""Heads in the speculators format (``agentspec.head_folder``: EAGLE-3, DFlash, DSpark): what a
+malformed folder is told, and decoding with each kind of head losslessly on every path.
 
 The heads here are random (built for a tiny target, written by ``save_head``); tests/e2e/
 test_speculators_heads.py holds them to folders speculators itself wrote and to its module's logits.
@@ -18,7 +18,14 @@ from safetensors.torch import load_file, save_file
 import agentspec
 from agentspec import ModelPair
 from agentspec.cache import PrefixCache
-from agentspec.head_folder import HeadFolderError, is_head_folder, load_head, new_eagle3, save_head
+from agentspec.head_folder import (
+    HeadFolderError,
+    is_head_folder,
+    load_head,
+    new_block_head,
+    new_eagle3,
+    save_head,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
@@ -36,15 +43,50 @@ def folder(target, tmp_path_factory):
     return save_head(head, tmp_path_factory.mktemp("head") / "eagle3", verifier=target, with_embeddings=True)
 
 
+HEADS = {
+    "eagle3": None,  # the ``folder`` fixture's
+    "dflash": {"kind": "dflash", "feature_layers": [1, 3], "block_size": 4, "mask_token_id": 9},
+    "dspark": {
+        "kind": "dspark",
+        "feature_layers": [0, 2, 3],
+        "block_size": 5,
+        "mask_token_id": 2,
+        "markov_head_type": "rnn",
+        "draft_ids": torch.arange(0, VOCAB, 2),
+    },  # fmt: skip
+    "dspark-no-anchor": {
+        "kind": "dspark",
+        "feature_layers": [2],
+        "block_size": 4,
+        "mask_token_id": 2,
+        "sample_from_anchor": False,
+        "markov_head_type": "gated",
+    },  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module", params=list(HEADS))
+def head_folder(request, target, folder, tmp_path_factory):
+    """Each kind of head, written and read back as a folder."""
+    spec = HEADS[request.param]
+    if spec is None:
+        return folder
+    torch.manual_seed(1)
+    spec = dict(spec)
+    head = new_block_head(target, spec.pop("kind"), spec.pop("feature_layers"), **spec).eval()
+    with torch.no_grad():  # the Markov factors large enough to matter
+        for name, p in head.named_parameters():
+            if "markov" in name:
+                p.normal_(0, 0.3)
+    return save_head(head, tmp_path_factory.mktemp(request.param) / "head", verifier=target)
+
+
 @pytest.fixture()
-def pair(target, folder, fake_tokenizer):
-    head = load_head(folder, target)
+def pair(target, head_folder, fake_tokenizer):
+    head = load_head(head_folder, target)
+    cache = PrefixCache(64 << 20)
     return ModelPair(
-        target=target,
-        draft=head,
-        tokenizer=fake_tokenizer(VOCAB),
-        name="tiny",
-        prefix_cache=PrefixCache(64 << 20),
+        target=target, draft=head, tokenizer=fake_tokenizer(VOCAB), name="tiny", prefix_cache=cache
     )
 
 
@@ -84,9 +126,12 @@ def test_a_saved_head_reloads_with_the_same_logits(target, folder):
     assert "embed_tokens.weight" not in head.state_dict()  # the target's embeddings, not a copy
 
 
-def test_load_pair_takes_a_head_folder(target, folder, fake_tokenizer):
-    pair = agentspec.load_pair(target, draft_model=folder, tokenizer=fake_tokenizer(VOCAB), warm_up=False)
-    assert pair.draft.architecture == "eagle3" and pair.draft_head is pair.draft
+def test_load_pair_takes_a_head_folder(target, head_folder, fake_tokenizer):
+    pair = agentspec.load_pair(
+        target, draft_model=head_folder, tokenizer=fake_tokenizer(VOCAB), warm_up=False
+    )
+    kind = json.loads((head_folder / "config.json").read_text())["speculators_model_type"]
+    assert pair.draft.architecture == kind and pair.draft_head is pair.draft
 
 
 @pytest.mark.parametrize(
@@ -142,8 +187,57 @@ def test_another_verifier_is_a_warning(target, folder, tmp_path, caplog, monkeyp
     assert "trained for 'Qwen3-8B'" in caplog.text and "['Qwen3ForCausalLM']" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"block_size": 1}, "block_size must be an integer of at least 2"),
+        ({"mask_token_id": VOCAB}, "mask_token_id must be a token id in [0, 64)"),
+        ({"mask_token_id": None}, "mask_token_id must be a token id"),
+        ({"markov_rank": 0}, "markov_rank must be a positive integer"),
+        ({"markov_head_type": "lstm"}, "markov_head_type 'lstm' is unknown"),
+        ({"aux_hidden_state_layer_ids": [9]}, "aux_hidden_state_layer_ids [9] out of range"),
+    ],
+)
+def test_a_malformed_block_folder_names_its_field(target, tmp_path, change, message):
+    head = new_block_head(target, "dspark", [1, 3])
+    folder = save_head(head, tmp_path / "dspark", verifier=target)
+    bad = altered(folder, tmp_path, config=change)
+    with pytest.raises(HeadFolderError) as info:
+        load_head(bad, target)
+    assert message in str(info.value)
+
+
+def test_a_block_heads_sliding_window_layers_are_refused(target, tmp_path):
+    folder = save_head(new_block_head(target, "dflash", [1]), tmp_path / "d", verifier=target)
+    layers = json.loads((folder / "config.json").read_text())["transformer_layer_config"]
+    layers.update(
+        layer_types=["sliding_attention"], use_sliding_window=True, sliding_window=4, max_window_layers=0
+    )
+    with pytest.raises(HeadFolderError, match="sliding-window layers are not supported"):
+        load_head(altered(folder, tmp_path, config={"transformer_layer_config": layers}), target)
+
+
+def test_a_dspark_draft_carries_its_survival_estimates(target, fake_tokenizer):
+    from agentspec.config import GenerationConfig
+    from agentspec.drafters.block import BlockDrafter
+
+    head = new_block_head(target, "dspark", [1, 3], block_size=4).eval()
+    drafter = BlockDrafter(head, VOCAB)
+    ids = [5, 9, 2, 33, 7, 41]
+    assert drafter.propose(ids, 4, GenerationConfig(), None).tokens == []  # no features yet
+    _, feats = agentspec.kv.ModelState(target).forward(ids[:-1], 1, features=(1, 3))
+    drafter.observe_features(0, feats)
+    draft = drafter.propose(ids, 3, GenerationConfig(), None)
+    assert len(draft.tokens) == 3 and draft.survival.shape == (3,)
+    assert ((draft.survival > 0) & (draft.survival < 1)).all()
+
+
 @pytest.mark.parametrize("drafter", ["model", "model_scheduled", "auto"])
-def test_greedy_decoding_with_an_eagle3_head_is_lossless(pair, drafter):
+def test_greedy_decoding_with_a_head_is_lossless(pair, head_folder, drafter):
+    if drafter == "model_scheduled" and pair.draft.architecture != "eagle3":
+        with pytest.raises(ValueError, match="use 'model'"):
+            agentspec.generate(pair, [1, 2, 3], drafter=drafter, max_new_tokens=4)
+        return
     accepted = 0
     for prompt in ([1, 5, 9, 2, 33, 7], [4, 4, 4, 8, 8, 8, 15, 16, 23, 42] * 3):
         plain = agentspec.generate(pair, prompt, speculative=False, max_new_tokens=40, prefix_cache=False)
@@ -153,8 +247,8 @@ def test_greedy_decoding_with_an_eagle3_head_is_lossless(pair, drafter):
             )
             assert spec.token_ids == plain.token_ids, (drafter, k)
             accepted += spec.stats.accepted_tokens
-    if drafter == "model":
-        assert accepted > 0  # drafts accepted as well as rejected
+    if drafter == "model" and not head_folder.parent.name.startswith("dspark-no-anchor"):
+        assert accepted > 0  # drafts accepted as well as rejected (this random one accepts none)
 
 
 def test_through_the_prefix_cache(pair):

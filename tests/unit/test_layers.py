@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("agentspec.telemetry",),
     ("agentspec.chat", "agentspec"),
     ("agentspec.decode",),
-    ("agentspec.models", "agentspec.draft_folder"),
+    ("agentspec.models", "agentspec.draft_folder", "agentspec.head_folder"),
     ("agentspec.drafters", "agentspec.warm"),  # warm: a loaded pair's passes, for the models to run at load
     ("agentspec.cost", "agentspec.scheduler"),
     ("agentspec.cache", "agentspec.static_kv"),

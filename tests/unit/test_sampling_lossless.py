@@ -58,13 +58,26 @@ def epair(spair) -> ModelPair:
 
 
 @pytest.fixture(scope="module")
-def e3pair(spair) -> ModelPair:
-    """The same target with an EAGLE-3 head over 10 of its 16 ids (untrained): q = 0 outside them."""
-    from agentspec.head_folder import new_eagle3
+def head_pairs(spair) -> dict[str, ModelPair]:
+    """The same target with heads in the speculators format (untrained): an EAGLE-3 head over 10 of
+    its 16 ids (q = 0 outside them), a DFlash head and a DSpark head (its Markov bias on the token it
+    drew before: each slot's q depends on the draws before it)."""
+    from agentspec.head_folder import new_block_head, new_eagle3
 
     torch.manual_seed(3)
-    head = new_eagle3(spair.target, [0, 1], draft_ids=torch.tensor([0, 1, 2, 3, 5, 7, 9, 11, 12, 15]))
-    return ModelPair(target=spair.target, draft=head.eval(), tokenizer=spair.tokenizer)
+    vocab = torch.tensor([0, 1, 2, 3, 5, 7, 9, 11, 12, 15])
+    heads = {
+        "eagle3": new_eagle3(spair.target, [0, 1], draft_ids=vocab),
+        "dflash": new_block_head(spair.target, "dflash", [0, 1], block_size=3, mask_token_id=4),
+        "dspark": new_block_head(spair.target, "dspark", [1], block_size=3, mask_token_id=4, draft_ids=vocab),
+    }
+    with torch.no_grad():
+        for p in heads["dspark"].markov_head.parameters():
+            p.normal_(0, 0.5)
+    return {
+        name: ModelPair(target=spair.target, draft=h.eval(), tokenizer=spair.tokenizer)
+        for name, h in heads.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -188,13 +201,13 @@ def test_reproducible_sampling_is_lossless(spair, prompts, drafter, temperature,
     ("temperature", "top_p", "n"),
     [(0.9, None, N_DEFAULT), pytest.param(1.3, None, N_SLOW, marks=pytest.mark.slow)],
 )
-@pytest.mark.parametrize("head", ["eagle", "eagle3"])
-def test_speculative_sampling_with_an_eagle_head_is_lossless(
-    epair, e3pair, prompts, head, temperature, top_p, n
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "dflash", "dspark"])
+def test_speculative_sampling_with_a_head_is_lossless(
+    epair, head_pairs, prompts, head, temperature, top_p, n
 ):
-    """The head drafts from the second pass on, chaining its own outputs, with the target's features
-    (EAGLE-3: two layers' features, a draft vocabulary)."""
-    pair = epair if head == "eagle" else e3pair
+    """The head drafts from the second pass on with the target's features (EAGLE: chaining its own
+    outputs; EAGLE-3 from two layers, over a draft vocabulary; DFlash and DSpark a block at once)."""
+    pair = epair if head == "eagle" else head_pairs[head]
     print(check_lossless(pair, prompts["model"], "model", n, temperature, top_p))
 
 
