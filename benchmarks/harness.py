@@ -361,5 +361,42 @@ def vllm_step(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(result, indent=1))
 
 
+def vllm_heads(argv: list[str] | None = None) -> None:
+    """vLLM decoding prompts greedily with a draft head (``--method`` eagle3 or dflash, a fixed
+    ``--k`` tokens a pass, as ``num_speculative_tokens``): its outputs and spec-decode counters."""
+    ap = argparse.ArgumentParser(description=vllm_heads.__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--head", required=True)
+    ap.add_argument("--method", default="eagle3")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompts", type=Path, required=True, help="a JSON list of token-id lists")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    import vllm
+    from vllm import SamplingParams
+
+    spec = {"method": args.method, "model": args.head, "num_speculative_tokens": args.k}
+    llm = vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=4096, gpu_memory_utilization=0.25,
+                   enable_prefix_caching=False, enforce_eager=True, speculative_config=spec,
+                   disable_log_stats=False, seed=0)  # fmt: skip
+    prompts = json.loads(args.prompts.read_text())
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    result = {"vllm": vllm.__version__, "speculative_config": spec, "seconds": seconds, "counters": counters,
+              "outputs": [list(o.outputs[0].token_ids) for o in outs]}  # fmt: skip
+    args.out.write_text(json.dumps(result, indent=1))
+
+
 if __name__ == "__main__":  # vllm.LLM starts an engine process: the guard is required
-    vllm_step()
+    if len(sys.argv) > 1 and sys.argv[1] == "heads":
+        vllm_heads(sys.argv[2:])
+    else:
+        vllm_step()

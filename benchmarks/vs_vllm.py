@@ -3,6 +3,7 @@
     python -m benchmarks vllm [--part conversation] [--dtypes float32,bfloat16] [--calls 12]
         [--max-tokens 64] [--repeats 2] [--systems agentspec,vllm] [--transcript PATH]
     python -m benchmarks vllm --part first_call [--dtypes ...] [--sizes 128,1024] [--max-tokens 64]
+    python -m benchmarks vllm --part heads --head FOLDER [--method eagle3] [--k 3] [--prompts 24]
 
 With the machine to itself; the conversation starts a vLLM worker per dtype (``make vllm``). Each part
 writes its key of ``results/vllm.json`` (environment, figures, ``goals``); the conversation also plots
@@ -40,6 +41,13 @@ Each size runs A then B and B then A, so firsts and laters do the same work; the
 sum over the laters' (goal <= 1.1). The drafting memory is dropped after each call (it outlives
 ``prefix_cache=False``): the later call cannot draft from the first's reply. And the warm-up's share
 of the load (goal <= 0.2).
+
+**heads**: one head folder in the speculators format, drafting in agentspec (``drafter="model"``,
+``num_draft_tokens=k``) and in vLLM's offline engine (``speculative_config`` method and
+``num_speculative_tokens=k``, eager, no prefix caching), greedy, on the same held-out prompts of
+``agentspec.distill.prompts``: the mean acceptance length (vLLM's: 1 + accepted tokens over passes
+that drafted) on each side (goal: ours within 10% of vLLM's), accepted tokens by position, replies
+compared, and agentspec's speed over plain decoding of the same prompts (interleaved).
 """
 
 from __future__ import annotations
@@ -377,9 +385,92 @@ def run_first_call(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
     }
 
 
+def heldout_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    """The first ``n`` held-out prompts of ``agentspec.distill.prompts`` (no training step saw them)."""
+    from agentspec.distill.prompts import is_heldout, make_prompts, render
+    from agentspec.distill.responses import HELDOUT
+
+    specs = [s for s in make_prompts(40 * n) if is_heldout(s.key(), HELDOUT)][:n]
+    return [render(tokenizer, s) for s in specs]
+
+
+def acceptance(accepted: float, drafts: float) -> float | None:
+    """vLLM's mean acceptance length: 1 + accepted tokens over passes that drafted."""
+    return 1 + accepted / drafts if drafts else None
+
+
+def run_heads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    """One head folder in agentspec and in vLLM: greedy, ``--k`` tokens a pass, the same prompts."""
+    prompts = heldout_prompts(tokenizer, args.prompts)
+    dtype = args.dtypes[0]
+    pair = agentspec.load_pair(draft_model=args.head, dtype=dtype)
+    ours = {
+        "accepted": 0,
+        "drafts": 0,
+        "per_position": [0] * args.k,
+        "plain_s": 0.0,
+        "spec_s": 0.0,
+        "outputs": [],
+    }
+    same_as_plain = 0
+    for ids in prompts:
+        options = {"max_new_tokens": args.max_tokens, "prefix_cache": False}
+        t0 = time.perf_counter()
+        plain = agentspec.generate(pair, ids, "none", **options)
+        t1 = time.perf_counter()
+        spec = agentspec.generate(pair, ids, "model", num_draft_tokens=args.k, **options)
+        ours["plain_s"] += t1 - t0
+        ours["spec_s"] += time.perf_counter() - t1
+        same_as_plain += spec.token_ids == plain.token_ids
+        stats = spec.stats
+        ours["accepted"] += stats.accepted_tokens
+        ours["drafts"] += stats.drafted_per_position[0] if stats.drafted_per_position else 0
+        for i, a in enumerate(stats.accepted_per_position[: args.k]):
+            ours["per_position"][i] += a
+        ours["outputs"].append(spec.token_ids)
+    ours["acceptance_length"] = acceptance(ours["accepted"], ours["drafts"])
+    ours["speedup_vs_plain"] = ours["plain_s"] / ours["spec_s"]
+    vllm = run_vllm_heads(args, prompts, dtype)
+    result = {"head": str(args.head), "k": args.k, "dtype": dtype, "prompts": len(prompts),
+              "max_tokens": args.max_tokens, "agentspec": ours, "vllm": vllm,
+              "same_as_plain": f"{same_as_plain}/{len(prompts)}"}  # fmt: skip
+    goals = {}
+    if isinstance(vllm, dict) and vllm.get("acceptance_length") and ours["acceptance_length"]:
+        ratio = ours["acceptance_length"] / vllm["acceptance_length"]
+        same = sum(a == b for a, b in zip(ours["outputs"], vllm["outputs"]))
+        goals["acceptance_length_ours_over_vllm"] = f"{ratio:.3f} (goal within 0.9-1.1)"
+        goals["replies_same_as_vllm"] = f"{same}/{len(prompts)}"
+    goals["speedup_vs_plain"] = f"{ours['speedup_vs_plain']:.2f}x (goal >= 1.2 for the shipped head)"
+    return {**result, "goals": goals}
+
+
+def run_vllm_heads(args: argparse.Namespace, prompts: list[list[int]], dtype: str) -> dict | str:
+    """``harness.vllm_heads`` in vLLM's environment on the same prompts and head."""
+    from agentspec.fleet.vllm import VLLM_PYTHON
+    from agentspec.models import ensure_default_model
+
+    if not VLLM_PYTHON.exists():
+        return f"no vLLM environment at {VLLM_PYTHON}: make vllm"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
+        command = [str(VLLM_PYTHON), str(harness.ROOT / "benchmarks" / "harness.py"), "heads",
+                   "--model", str(ensure_default_model()), "--head", str(args.head), "--method", args.method,
+                   "--k", str(args.k), "--dtype", dtype, "--prompts", f"{tmp}/prompts.json",
+                   "--max-tokens", str(args.max_tokens), "--out", f"{tmp}/out.json"]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            return f"vLLM failed: {done.stderr[-2000:]}"
+        out = json.loads((Path(tmp) / "out.json").read_text())
+    counters = out["counters"]
+    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
+    out["acceptance_length"] = acceptance(accepted, drafts)
+    return out
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = harness.parser("vllm", __doc__, threads=len(os.sched_getaffinity(0)))
-    ap.add_argument("--part", choices=("conversation", "first_call"), default="conversation")
+    ap.add_argument("--part", choices=("conversation", "first_call", "heads"), default="conversation")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens a reply, at most")
     ap.add_argument("--calls", type=int, default=len(convo.LONG_TURNS), help="conversation: its calls")
@@ -387,6 +478,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--systems", default="agentspec,vllm", help=f"conversation: of {', '.join(SYSTEMS)}")
     ap.add_argument("--transcript", type=Path, help="conversation: JSON whose 'replies' every system reads")
     ap.add_argument("--sizes", default="128,1024", help="first_call: prompt token counts")
+    ap.add_argument("--head", type=Path, help="heads: a head folder in the speculators format")
+    ap.add_argument("--method", default="eagle3", help="heads: its vLLM method (eagle3, dflash)")
+    ap.add_argument("--k", type=int, default=3, help="heads: draft tokens a pass (num_speculative_tokens)")
+    ap.add_argument("--prompts", type=int, default=24, help="heads: held-out prompts")
     ap.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.dtypes, args.systems = args.dtypes.split(","), args.systems.split(",")
@@ -406,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = agentspec.load_pair(dtype=args.dtypes[0])
     env, tokenizer = harness.environment(pair), pair.tokenizer  # at the start: the machine, the load
     del pair  # every run loads its own
-    run = run_conversation if args.part == "conversation" else run_first_call
+    run = {"conversation": run_conversation, "first_call": run_first_call, "heads": run_heads}[args.part]
     result = {"environment": env, **run(args, tokenizer)}
     harness.write(args.out, result, part=args.part)
     if args.part == "conversation":
