@@ -709,7 +709,12 @@ def _restore(pair: ModelPair, cache, ids: list[int], d: Drafter | None, namespac
         states = cache.restore(pair, ids, forwards, namespace)
     if "draft" in states:
         d.adopt_kv_state(states["draft"])
-    return states.get("target") or ModelState(pair.target_forward)
+    target = states.get("target") or ModelState(pair.target_forward)
+    if d is not None and d.context_rows and target.ids:
+        # a head drafts from the target's features, which the cache does not keep: the last restored
+        # positions are computed again, in the call's first pass, to give it a context
+        target.truncate(max(0, len(target.ids) - d.context_rows))
+    return target
 
 
 def _save(

@@ -52,7 +52,8 @@ class Drafter:
     - ``feedback`` after each verify pass, ``reset`` at the start of a call and after a failure.
     - ``feature_layers``: the target's features the drafter reads (``agentspec.forward``'s numbering:
       an EAGLE head's layers; () for none); the verify pass then computes them too, and the loop
-      hands the verified positions' rows to ``observe_features``.
+      hands the verified positions' rows to ``observe_features``; ``context_rows``: how many positions
+      of a restored prefix it wants computed again for their features.
     - The KV-state handover with the prefix cache, for a drafter that keeps a model's KV cache in
       step with the verified sequence: ``kv_state()`` is that state (None: nothing to cache; its
       ``model`` keys the prefix cache's "draft" entries), ``adopt_kv_state(state)`` takes a
@@ -64,6 +65,9 @@ class Drafter:
     draft_cap: int | None = None
     masks_own_draft: bool = False
     feature_layers: tuple[int, ...] = ()
+    # the last positions of a prefix restored from the prefix cache the target computes again, for
+    # their features: a head's context in a call's first drafts (the cache keeps no features)
+    context_rows: int = 0
 
     def propose(
         self,

@@ -223,6 +223,7 @@ class BlockDrafter(Drafter):
         self.head = head
         self.vocab_size = vocab_size
         self.feature_layers = head.feature_layers
+        self.context_rows = head.context_rows
         self.draft_cap = head.drafts_per_block
         self.state = BlockState(head)
         if name is not None:

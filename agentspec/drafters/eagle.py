@@ -57,10 +57,12 @@ def eagle_config(target_config):
 class FeatureHead(torch.nn.Module):
     """What a head drafting from the target's features is to ``EagleState``: the target's embeddings
     and LM head it shares (not submodules: neither stored nor trained), where it lives (its ``fc``),
-    and the cache of its own layers (``new_cache``; ``config``: theirs)."""
+    and the cache of its own layers (``new_cache``; ``config``: theirs), and how many positions of a
+    restored prefix it wants computed again for their features (``context_rows``)."""
 
     config: Any
     fc: torch.nn.Linear
+    context_rows = 64
 
     def __init__(self, embed: torch.nn.Module, head: torch.nn.Module):
         super().__init__()
@@ -92,6 +94,7 @@ class EagleHead(FeatureHead):
     architecture = EAGLE_ARCHITECTURE
     feature_layers = (NORMED,)  # what it drafts from: the target's final norm output
     feeds_first_token = True  # x_0 is fed beside a zero feature (how ``agentspec distill`` trains it)
+    context_rows = 0  # none: the embedded head (0.06 of its drafts accepted) would not repay the rows
 
     def __init__(self, config, embed: torch.nn.Module, head: torch.nn.Module):
         super().__init__(embed, head)

@@ -101,6 +101,7 @@ class HybridDrafter(Drafter):
         self.suffix = suffix
         self.model = model
         self.feature_layers = model.feature_layers if model is not None else ()
+        self.context_rows = model.context_rows if model is not None else 0
         # with a draft model, on its device's clock; a model-free pass ends in its one host read anyway
         self.timer = PassTimer(model.device if model is not None else None)
         self._begin_call()

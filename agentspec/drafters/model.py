@@ -67,6 +67,7 @@ class ModelDrafter(Drafter):
     ):
         # an EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_features``
         self.feature_layers = tuple(model.feature_layers) if is_eagle(model) else ()
+        self.context_rows = model.context_rows if is_eagle(model) else 0
         # ``state``: a preallocated one to draft in (``ModelPair.draft_state``); ``forward``: what the
         # draft model's passes call (``ModelPair.draft_forward``; None: transformers' own); ``head``:
         # what an EAGLE head's passes call (``ModelPair.draft_head``; None: its own modules)

@@ -192,3 +192,36 @@ def test_incremental_text_is_the_tokenizers_decode(pair):
     for n in range(1, len(ids) + 1, 3):
         assert tracker.text(ids[:n]) == tracker.decode(ids[:n]), f"{n=}"
         tracker.release(ids[:n], final=False)
+
+
+@pytest.fixture(scope="module", params=["eagle3", "dspark"])
+def head_folder(request, pair, tmp_path_factory):
+    """A head in the speculators format for the real target (random weights: it drafts, seldom right)."""
+    from agentspec.head_folder import new_block_head, new_eagle3, save_head
+
+    torch.manual_seed(0)
+    target, layers = pair.target, [2, 15, 27]  # speculators' default ids for a 30-layer target
+    if request.param == "eagle3":
+        head = new_eagle3(target, layers, draft_ids=torch.arange(8192))
+    else:
+        head = new_block_head(target, "dspark", layers, block_size=4, mask_token_id=0, markov_rank=16)
+    return save_head(head, tmp_path_factory.mktemp(request.param) / "head", verifier=target)
+
+
+@pytest.mark.parametrize("name", ["capital", "repeat_json", "code_rename"])
+def test_a_speculators_head_on_the_real_target_is_lossless(pair, reference, head_folder, name):
+    """``ChatSpecDecode(draft_model=<a speculators folder>)`` through LangChain, and ``generate``."""
+    from langchain_agentspec import ChatSpecDecode
+
+    prompt, ref = reference(name)
+    llm = ChatSpecDecode(
+        draft_model=str(head_folder), drafter="model", max_tokens=MAX_NEW, prefix_cache=False
+    )
+    reply = llm.invoke(PROMPTS[name])
+    assert reply.response_metadata["speculative"]["draft_tokens"] > 0
+    head_pair = agentspec.load_pair(draft_model=head_folder, warm_up=False)
+    result = agentspec.generate(
+        head_pair, prompt, drafter="model", max_new_tokens=MAX_NEW, prefix_cache=False
+    )
+    assert result.token_ids == ref, _mismatch(pair, prompt, ref, result.token_ids)
+    assert reply.content == pair.tokenizer.decode([t for t in ref if t not in pair.eos_token_ids])

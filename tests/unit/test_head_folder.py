@@ -252,13 +252,18 @@ def test_greedy_decoding_with_a_head_is_lossless(pair, head_folder, drafter):
 
 
 def test_through_the_prefix_cache(pair):
-    prompt = [7, 3, 11, 2, 9, 30, 31, 5, 8, 13] * 4
+    """A later call restores the prefix but for the head's ``context_rows``, computed again for their
+    features: the head drafts from its first pass on."""
+    prompt = [7, 3, 11, 2, 9, 30, 31, 5, 8, 13] * 12
     plain = agentspec.generate(pair, prompt, speculative=False, max_new_tokens=30, prefix_cache=False)
     cold = agentspec.generate(pair, prompt, drafter="model", max_new_tokens=30)
     warm = agentspec.generate(pair, prompt + plain.token_ids[:5], drafter="model", max_new_tokens=25)
     assert cold.token_ids == plain.token_ids
     assert warm.token_ids == plain.token_ids[5:]
-    assert warm.stats.cached_tokens > 0 and warm.stats.draft_tokens > 0
+    assert warm.stats.cached_tokens == len(prompt) + 5 - 1 - pair.draft.context_rows
+    # it drafts on as many passes as a cold call: all but its first (the prompt's) and any at the budget
+    assert warm.stats.draft_tokens > 0
+    assert warm.stats.source_steps.get("none", 0) <= cold.stats.source_steps.get("none", 0)
 
 
 def test_beside_other_calls_in_packed_passes(pair):
