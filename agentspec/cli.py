@@ -70,6 +70,16 @@ def cmd_distill(args: argparse.Namespace) -> int:
     """Distill a draft model for the target into --out (see agentspec.distill)."""
     from agentspec.distill import DistillConfig, distill
 
+    if args.architecture == "eagle3":  # speculators' format and trainer (agentspec.distill.heads)
+        from agentspec.distill.heads import distill_eagle3
+
+        budget = args.time_budget_s if args.time_budget_s is not None else 3600
+        out = distill_eagle3(
+            args.target, args.out, prompts=args.prompts or 2000, minutes=budget / 60, responses=args.responses
+        )
+        print(f"head ready: {out}  (load_pair(..., draft_model={str(out)!r}); vLLM: method 'eagle3')")
+        return 0
+
     given = {
         "architecture": args.architecture,
         "n_layers": args.layers,
@@ -187,8 +197,12 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--out", required=True, help="the draft folder to write (data/ and checkpoints/ inside)")
     d.add_argument(
         "--architecture",
-        choices=("eagle", "layers"),
-        help="eagle: one layer on the target's hidden states (default); layers: a small model of tokens",
+        choices=("eagle", "layers", "eagle3"),
+        help="eagle: one layer on the target's hidden states (default); layers: a small model of tokens; "
+        "eagle3: an EAGLE-3 head in the speculators format, trained by speculators in .venv-vllm",
+    )
+    d.add_argument(
+        "--responses", help="eagle3: the responses file to grow and train on (default: the target's)"
     )
     d.add_argument(
         "--eagle-unroll",

@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, required=True, help="answer prompts 0..N-1")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--dtype", help="the pair's dtype (default: agentspec's for the device)")
     args = parser.parse_args(argv)
-    pair = load_pair(draft_model=False)
+    pair = load_pair(draft_model=False, dtype=args.dtype)
     grow(pair, args.out, args.prompts, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens)
 
 

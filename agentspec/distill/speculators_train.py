@@ -122,6 +122,9 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--minutes", type=float, default=20.0, help="the training loop's time budget")
     parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument(
+        "--layer-ids", help="the target layers the head reads, e.g. 2,15,27 (default: speculators')"
+    )
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=25)
@@ -141,6 +144,7 @@ def main() -> None:
     head = Eagle3DraftModel.from_training_args(
         config, t2d=t2d, d2t=d2t, num_layers=1, draft_vocab_size=args.draft_vocab, norm_before_residual=True,
         verifier_name_or_path=args.target, draft_attn_impl="eager", ttt_steps=TTT_STEPS,
+        target_layer_ids=[int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None,
     )  # fmt: skip
     layers = head.config.eagle_aux_hidden_state_layer_ids
     t0 = time.perf_counter()

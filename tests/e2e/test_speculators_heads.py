@@ -157,3 +157,27 @@ def test_decoding_with_speculators_head_is_lossless(built, fake_tokenizer):
             spec = agentspec.generate(pair, prompt, drafter="model", num_draft_tokens=k, max_new_tokens=30)
             assert spec.token_ids == plain.token_ids, k
             assert spec.stats.draft_tokens > 0
+
+
+def test_agentspec_distill_writes_a_head_in_the_speculators_format(tiny_smol, tmp_path):
+    """``agentspec distill --architecture eagle3`` end to end on a tiny target folder: the responses grown
+    by the pair, speculators' trainer in .venv-vllm, a folder agentspec loads and decodes with losslessly."""
+    from agentspec.distill.heads import distill_eagle3
+    from agentspec.distill.responses import read
+
+    folder = tmp_path / "target"
+    tiny_smol.target.save_pretrained(folder)
+    tiny_smol.tokenizer.save_pretrained(folder)
+    responses, out = tmp_path / "responses.safetensors", tmp_path / "head"
+    options = {"responses": responses, "draft_vocab": 512, "feature_layers": [0, 1], "concurrency": 3}
+    distill_eagle3(folder, out, prompts=6, minutes=0.05, **options)
+    assert len(read(responses)) == 6
+    training = json.loads((out / "training.json").read_text())
+    assert training["steps"] >= 1 and training["curve"][-1]["acceptance_length"] >= 1.0
+    head = load_head(out, tiny_smol.target)
+    assert head.feature_layers == (0, 1) and head.draft_ids is not None and len(head.draft_ids) == 512
+    pair = ModelPair(target=tiny_smol.target, draft=head, tokenizer=tiny_smol.tokenizer, name="distilled")
+    prompt = read(responses)[0].prompt
+    plain = agentspec.generate(pair, prompt, speculative=False, max_new_tokens=16, prefix_cache=False)
+    spec = agentspec.generate(pair, prompt, drafter="model", max_new_tokens=16, prefix_cache=False)
+    assert spec.token_ids == plain.token_ids and spec.stats.draft_tokens > 0

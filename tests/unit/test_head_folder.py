@@ -287,3 +287,25 @@ def test_beside_other_calls_in_packed_passes(pair):
     for t in threads:
         t.join(timeout=120)
     assert [got.get(i) for i in range(len(prompts))] == plain
+
+
+def test_a_failing_head_leaves_the_call_and_the_pair_usable(pair, monkeypatch):
+    """A head that raises mid-call: the call finishes with the target alone, and the next call drafts."""
+    from agentspec.drafters.block import BlockHead
+    from agentspec.drafters.eagle import EagleState
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = agentspec.generate(pair, prompt, speculative=False, max_new_tokens=16, prefix_cache=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("head exploded")
+
+    with monkeypatch.context() as patch:
+        if isinstance(pair.draft, BlockHead):
+            patch.setattr(BlockHead, "block", broken)
+        else:
+            patch.setattr(EagleState, "observe", broken)
+        failed = agentspec.generate(pair, prompt, drafter="model", max_new_tokens=16, prefix_cache=False)
+    assert failed.token_ids == plain.token_ids
+    again = agentspec.generate(pair, prompt, drafter="model", max_new_tokens=16, prefix_cache=False)
+    assert again.token_ids == plain.token_ids and again.stats.draft_tokens > 0
