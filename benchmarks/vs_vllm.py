@@ -430,9 +430,10 @@ def run_heads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
         ours["outputs"].append(spec.token_ids)
     ours["acceptance_length"] = acceptance(ours["accepted"], ours["drafts"])
     ours["speedup_vs_plain"] = ours["plain_s"] / ours["spec_s"]
+    cached = cached_acceptance(pair, prompts, ours["outputs"], args)
     vllm = run_vllm_heads(args, prompts, dtype)
     result = {"head": str(args.head), "k": args.k, "dtype": dtype, "prompts": len(prompts),
-              "max_tokens": args.max_tokens, "agentspec": ours, "vllm": vllm,
+              "max_tokens": args.max_tokens, "agentspec": ours, "vllm": vllm, "cached": cached,
               "same_as_plain": f"{same_as_plain}/{len(prompts)}"}  # fmt: skip
     goals = {}
     if isinstance(vllm, dict) and vllm.get("acceptance_length") and ours["acceptance_length"]:
@@ -442,6 +443,43 @@ def run_heads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
         goals["replies_same_as_vllm"] = f"{same}/{len(prompts)}"
     goals["speedup_vs_plain"] = f"{ours['speedup_vs_plain']:.2f}x (goal >= 1.2 for the shipped head)"
     return {**result, "goals": goals}
+
+
+FOLLOW_UP = "Thanks. Now say it again in one short sentence."
+
+
+def cached_acceptance(pair: Any, prompts: list[list[int]], replies: list[list[int]], args) -> dict:
+    """An agent's second call (the first call's prompt and reply, then a user turn) restored from the
+    prefix cache, the head's ``context_rows`` of it computed again (0, 64, 128), against the same calls
+    uncached: acceptance length and seconds of each (goal: cached >= 0.9x uncached)."""
+    turn = f"\n<|im_start|>user\n{FOLLOW_UP}<|im_end|>\n<|im_start|>assistant\n"  # the embedded template's
+    follow = pair.tokenizer.encode(turn, add_special_tokens=False)
+    second = [p + r + follow for p, r in zip(prompts, replies)]
+    options = {"num_draft_tokens": args.k, "max_new_tokens": args.max_tokens}
+    head, out = pair.draft, {}
+    default = head.context_rows
+    for rows in (None, 0, 64, 128):  # None: uncached
+        head.context_rows = default if rows is None else rows
+        accepted = drafts = 0
+        elapsed = 0.0
+        for first, ids in zip(prompts, second):
+            pair.prefix_cache.clear()
+            if rows is not None:
+                agentspec.generate(
+                    pair, first, "none", max_new_tokens=args.max_tokens
+                )  # the first call, cached
+            t0 = time.perf_counter()
+            r = agentspec.generate(pair, ids, "model", prefix_cache=rows is not None, **options)
+            elapsed += time.perf_counter() - t0
+            accepted += r.stats.accepted_tokens
+            drafts += r.stats.drafted_per_position[0] if r.stats.drafted_per_position else 0
+        key = "uncached" if rows is None else f"cached_rows_{rows}"
+        out[key] = {"acceptance_length": acceptance(accepted, drafts), "seconds": elapsed}
+    head.context_rows = default
+    base = out["uncached"]["acceptance_length"] or 1.0
+    for value in out.values():
+        value["over_uncached"] = (value["acceptance_length"] or 1.0) / base
+    return out
 
 
 def run_vllm_heads(args: argparse.Namespace, prompts: list[list[int]], dtype: str) -> dict | str:
