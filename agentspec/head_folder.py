@@ -61,9 +61,9 @@ def load_head(folder: str | Path, target) -> Eagle3Head | BlockHead:
         raise HeadFolderError(
             f"{folder}: {TYPE_KEY} {kind!r} is {known}; agentspec loads {', '.join(SUPPORTED)}"
         )
-    state = _read_weights(folder)
-    layer_config = _layer_config(folder, config, target)
+    layer_config = _layer_config(folder, config, target)  # the config's checks before the weights' read
     _check_verifier(folder, config, target)
+    state = _read_weights(folder)
     draft_ids = _draft_ids(folder, config, state, target)
     shared = {
         "embed": target.get_input_embeddings(),
