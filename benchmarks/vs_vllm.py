@@ -450,7 +450,7 @@ FOLLOW_UP = "Thanks. Now say it again in one short sentence."
 
 def cached_acceptance(pair: Any, prompts: list[list[int]], replies: list[list[int]], args) -> dict:
     """An agent's second call (the first call's prompt and reply, then a user turn) restored from the
-    prefix cache, the head's ``context_rows`` of it computed again (0, 64, 128), against the same calls
+    prefix cache, the head's ``context_rows`` of it computed again (0, 64), against the same calls
     uncached: acceptance length and seconds of each (goal: cached >= 0.9x uncached)."""
     turn = f"\n<|im_start|>user\n{FOLLOW_UP}<|im_end|>\n<|im_start|>assistant\n"  # the embedded template's
     follow = pair.tokenizer.encode(turn, add_special_tokens=False)
@@ -458,7 +458,7 @@ def cached_acceptance(pair: Any, prompts: list[list[int]], replies: list[list[in
     options = {"num_draft_tokens": args.k, "max_new_tokens": args.max_tokens}
     head, out = pair.draft, {}
     default = head.context_rows
-    for rows in (None, 0, 64, 128):  # None: uncached
+    for rows in (None, 0, 64):  # None: uncached
         head.context_rows = default if rows is None else rows
         accepted = drafts = 0
         elapsed = 0.0

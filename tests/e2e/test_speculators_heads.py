@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,34 @@ def test_agentspec_distill_writes_a_head_in_the_speculators_format(tiny_smol, tm
     plain = agentspec.generate(pair, prompt, speculative=False, max_new_tokens=16, prefix_cache=False)
     spec = agentspec.generate(pair, prompt, drafter="model", max_new_tokens=16, prefix_cache=False)
     assert spec.token_ids == plain.token_ids and spec.stats.draft_tokens > 0
+
+
+EAGLE3_HEAD = Path(agentspec.__file__).resolve().parent / "drafts" / "smollm2-135m-instruct-eagle3"
+
+
+@pytest.mark.skipif(not EAGLE3_HEAD.exists(), reason="no trained EAGLE-3 head in this checkout")
+def test_the_trained_head_accepts_as_in_vllm(tmp_path):
+    """The committed EAGLE-3 head on the real target, greedy, 3 tokens a pass, in agentspec and in vLLM's
+    engine on the same held-out prompts (``python -m benchmarks vllm --part heads``): the mean acceptance
+    lengths within 10% of each other, every reply alike in both and equal to plain decoding."""
+    out = tmp_path / "heads.json"
+    options = ["--k", "3", "--prompts", "4", "--max-tokens", "32", "--dtypes", "float32", "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "vllm",
+        "--part",
+        "heads",
+        "--head",
+        str(EAGLE3_HEAD),
+        *options,
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=SCRIPT.parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    heads = json.loads(out.read_text())["heads"]
+    ours, vllm = heads["agentspec"], heads["vllm"]
+    assert isinstance(vllm, dict), vllm
+    assert ours["drafts"] > 0 and ours["accepted"] > 0
+    assert 0.9 <= ours["acceptance_length"] / vllm["acceptance_length"] <= 1.1
+    assert ours["outputs"] == vllm["outputs"] and heads["same_as_plain"] == "4/4"
