@@ -23,16 +23,13 @@ from typing import Any
 
 import torch
 
-from agentspec.drafters.eagle import EAGLE_ARCHITECTURE
+from agentspec.drafters.eagle import EAGLE_ARCHITECTURE, vocab_logits
 
 log = logging.getLogger(__name__)
 
 MARKER = "agentspec_draft.json"
 FORMAT = "agentspec-distilled-draft"
 VOCAB_KEY = "draft_vocab"  # model.safetensors entry: the ids the draft's LM head scores
-# Filled into the logits of tokens outside the draft's vocabulary: finite, so a grammar mask that
-# leaves only such tokens still gives a distribution (uniform over them), and within float16 range.
-OUTSIDE_LOGIT = -1.0e4
 
 
 class SubsetHead(torch.nn.Module):
@@ -54,8 +51,7 @@ class SubsetHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         sub = torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype))
-        out = sub.new_full((*sub.shape[:-1], self.vocab_size), OUTSIDE_LOGIT)
-        return out.index_copy_(-1, self.ids, sub)
+        return vocab_logits(sub, self.ids, self.vocab_size)
 
 
 def is_draft_folder(source: Any) -> bool:

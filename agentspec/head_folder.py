@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from agentspec.drafters.block import BlockHead
+from agentspec.drafters.eagle import with_layers
 from agentspec.drafters.eagle3 import Eagle3Head
 
 log = logging.getLogger(__name__)
@@ -357,12 +358,7 @@ def new_eagle3(
     target, feature_layers, *, draft_ids: torch.Tensor | None = None, layers: int = 1
 ) -> Eagle3Head:
     """A randomly initialised EAGLE-3 head for ``target`` (its family's layers), on its device and dtype."""
-    import copy
-
-    layer_config = copy.deepcopy(target.config)
-    layer_config.num_hidden_layers = layers
-    if getattr(layer_config, "layer_types", None):
-        layer_config.layer_types = list(layer_config.layer_types[:layers])
+    layer_config = with_layers(target.config, layers)
     head = Eagle3Head(
         layer_config,
         feature_layers,
@@ -380,12 +376,7 @@ def new_block_head(
     draft_ids: torch.Tensor | None = None, layers: int = 1, **options,
 ) -> BlockHead:  # fmt: skip
     """A randomly initialised DFlash or DSpark head for ``target``, on its device and dtype."""
-    import copy
-
-    layer_config = copy.deepcopy(target.config)
-    layer_config.num_hidden_layers = layers
-    if getattr(layer_config, "layer_types", None):
-        layer_config.layer_types = list(layer_config.layer_types[:layers])
+    layer_config = with_layers(target.config, layers)
     options = {
         "block_size": block_size,
         "mask_token_id": mask_token_id,

@@ -22,7 +22,7 @@ import torch
 import agentspec
 from agentspec.bench.roofline import synchronize
 from agentspec.drafters import DraftMemory, build_drafter
-from agentspec.drafters.eagle import is_eagle
+from agentspec.drafters.eagle import is_feature_head
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 AGENTSPEC_DRAFTERS = ("none", "prompt_lookup", "suffix", "model", "model_scheduled", "auto")
@@ -82,7 +82,7 @@ def different_widths(pair) -> bool:
 def single_call_systems(pair, static_compiled: bool = False) -> list[str]:
     """The single-call rows for ``pair``; ``static_compiled`` adds ``STATIC_COMPILED``."""
     names = ["transformers generate", *[STATIC_COMPILED] * static_compiled]
-    if pair.draft is not None and not is_eagle(pair.draft):  # assisted generation takes a token model
+    if pair.draft is not None and not is_feature_head(pair.draft):  # assisted generation takes a token model
         names.append("transformers assisted")
     names.append("transformers prompt lookup")
     drafters = [

@@ -60,7 +60,7 @@ def features(target, ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor
     )
 
 
-def pack(items: list[dict], budget: int) -> dict:
+def pack(items: list[dict]) -> dict:
     """Sequences back to back, each shifted as speculators' ``shift_batch`` does (x_{i+1} with g_i)."""
     parts = {
         "input_ids": [],
@@ -103,7 +103,7 @@ def evaluate(head, held: list[dict], budget: int, loss_config) -> dict:
     head.eval()
     sums: dict[str, float] = {}
     for group in batches(held, budget, random.Random(0)):
-        _, _, metrics = head(**pack(group, budget), ttt_steps=TTT_STEPS, loss_config=loss_config)
+        _, _, metrics = head(**pack(group), ttt_steps=TTT_STEPS, loss_config=loss_config)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     head.train()
@@ -115,7 +115,7 @@ def evaluate(head, held: list[dict], budget: int, loss_config) -> dict:
     return {"cond_acc": cond, "acceptance_length": length}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("target")
     parser.add_argument("responses")
@@ -128,56 +128,49 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=25)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    items = examples(args.responses)
-    vocab = target.config.vocab_size
+    return parser.parse_args()
+
+
+def build_head(target, items: list[dict], args: argparse.Namespace):
+    """speculators' head for ``target``: one layer, its draft vocabulary the ids most frequent in the
+    training examples."""
     freq: dict[int, int] = {}
     for item in items:
         if not item["heldout"]:
             for t in item["ids"].tolist():
                 freq[t] = freq.get(t, 0) + 1
-    d2t, t2d = build_vocab_mappings_from_distribution(freq, args.draft_vocab, vocab)
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, args.draft_vocab, target.config.vocab_size)
     config = copy.deepcopy(target.config)  # the head's layers: the target's, one of them
     config.num_hidden_layers = 1
-    head = Eagle3DraftModel.from_training_args(
-        config, t2d=t2d, d2t=d2t, num_layers=1, draft_vocab_size=args.draft_vocab, norm_before_residual=True,
+    layer_ids = [int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None
+    return Eagle3DraftModel.from_training_args(
+        config, t2d=t2d, d2t=d2t, draft_vocab_size=args.draft_vocab, norm_before_residual=True,
         verifier_name_or_path=args.target, draft_attn_impl="eager", ttt_steps=TTT_STEPS,
-        target_layer_ids=[int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None,
+        target_layer_ids=layer_ids,
     )  # fmt: skip
-    layers = head.config.eagle_aux_hidden_state_layer_ids
-    t0 = time.perf_counter()
-    for item in items:
-        item["aux"], item["last"] = features(target, item["ids"], layers)
-    feature_seconds = time.perf_counter() - t0
-    train = [i for i in items if not i["heldout"]]
-    held = [i for i in items if i["heldout"]]
+
+
+def train(head, train_items: list[dict], held: list[dict], args: argparse.Namespace) -> dict:
+    """AdamW over packed batches until the time budget (warm-up, then a cosine over the budget), the
+    held-out curve every ``--eval-every`` steps: steps, epochs, seconds and the curve."""
     loss_config = resolve_loss_config("kl_div", "eager")
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     rng = random.Random(0)
-    plan = batches(train, args.batch_tokens, rng)
+    plan = batches(train_items, args.batch_tokens, rng)
     curve = [{"tokens": 0, **evaluate(head, held, args.batch_tokens, loss_config)}]
     print(json.dumps(curve[-1]), flush=True)
-    start, deadline, tokens, step, epoch = (
-        time.perf_counter(),
-        time.perf_counter() + 60 * args.minutes,
-        0,
-        0,
-        0,
-    )
-    per_step = None
-    while time.perf_counter() + (per_step or 0) < deadline:
+    start = time.perf_counter()
+    deadline, tokens, step, epoch, per_step = start + 60 * args.minutes, 0, 0, 0, 0.0
+    while time.perf_counter() + per_step < deadline:
         if not plan:
             epoch += 1
-            plan = batches(train, args.batch_tokens, rng)
-        group = plan.pop()
+            plan = batches(train_items, args.batch_tokens, rng)
         begun = time.perf_counter()
         frac = min(1.0, (begun - start) / (deadline - start))
-        for g in opt.param_groups:  # cosine over the time budget, after 20 warm-up steps
+        for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        batch = pack(group, args.batch_tokens)
+        batch = pack(plan.pop())
         _, loss, _ = head(**batch, ttt_steps=TTT_STEPS, loss_config=loss_config)
         opt.zero_grad()
         loss.backward()
@@ -187,16 +180,27 @@ def main() -> None:
         tokens += batch["input_ids"].shape[1]
         per_step = time.perf_counter() - begun
         if step % args.eval_every == 0:
-            curve.append(
-                {
-                    "tokens": tokens,
-                    "step": step,
-                    "loss": float(loss),
-                    **evaluate(head, held, args.batch_tokens, loss_config),
-                }
-            )
+            measured = evaluate(head, held, args.batch_tokens, loss_config)
+            curve.append({"tokens": tokens, "step": step, "loss": float(loss), **measured})
             print(json.dumps(curve[-1]), flush=True)
     curve.append({"tokens": tokens, "step": step, **evaluate(head, held, args.batch_tokens, loss_config)})
+    return {"steps": step, "epochs": epoch, "train_seconds": time.perf_counter() - start, "curve": curve}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    items = examples(args.responses)
+    head = build_head(target, items, args)
+    layers = head.config.eagle_aux_hidden_state_layer_ids
+    t0 = time.perf_counter()
+    for item in items:
+        item["aux"], item["last"] = features(target, item["ids"], layers)
+    feature_seconds = time.perf_counter() - t0
+    train_items = [i for i in items if not i["heldout"]]
+    held = [i for i in items if i["heldout"]]
+    run = train(head, train_items, held, args)
     out = Path(args.out)
     head.save_pretrained(str(out))
     record = {
@@ -209,18 +213,15 @@ def main() -> None:
         },
         "data": {
             "responses": args.responses,
-            "train_examples": len(train),
+            "train_examples": len(train_items),
             "heldout_examples": len(held),
-            "train_tokens": sum(len(i["ids"]) for i in train),
+            "train_tokens": sum(len(i["ids"]) for i in train_items),
             "feature_seconds": feature_seconds,
         },
-        "steps": step,
-        "epochs": epoch,
-        "train_seconds": time.perf_counter() - start,
-        "curve": curve,
+        **run,
     }
     (out / "training.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps(curve[-1]))
+    print(json.dumps(run["curve"][-1]))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ format that ``agentspec.draft_folder`` reads (and describes).
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from agentspec.draft_folder import FORMAT, MARKER, VOCAB_KEY, attach_shared, fingerprint, shared_keys
-from agentspec.drafters.eagle import EAGLE_ARCHITECTURE, is_eagle
+from agentspec.drafters.eagle import EAGLE_ARCHITECTURE, is_eagle, with_layers
 
 
 def draft_vocab(token_lists, vocab_size: int, size: int) -> torch.Tensor:
@@ -41,14 +40,6 @@ def draft_vocab(token_lists, vocab_size: int, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
-def _draft_config(target_config, n_layers: int):
-    config = copy.deepcopy(target_config)
-    config.num_hidden_layers = n_layers
-    if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding window, ...)
-        config.layer_types = list(config.layer_types[:n_layers])
-    return config
-
-
 def build_student(target, n_layers: int, init_layers: tuple[int, ...]):
     """A draft of ``n_layers`` layers copied from the target's ``init_layers``, sharing its embeddings."""
     from transformers import AutoModelForCausalLM
@@ -58,7 +49,7 @@ def build_student(target, n_layers: int, init_layers: tuple[int, ...]):
         raise ValueError(f"init_layers: {len(init_layers)} indices for n_layers={n_layers}")
     if bad := [i for i in init_layers if not 0 <= i < n_target]:
         raise ValueError(f"init_layers: {bad} out of range for a target of {n_target} layers")
-    student = AutoModelForCausalLM.from_config(_draft_config(target.config, n_layers))
+    student = AutoModelForCausalLM.from_config(with_layers(target.config, n_layers))
     student.to(device=target.device, dtype=target.dtype)
     with torch.no_grad():
         # weights only: each draft layer keeps its own layer_idx (its slot in the KV cache)

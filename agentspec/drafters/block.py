@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.drafters.eagle import FeatureHead
-from agentspec.drafters.eagle3 import OUTSIDE_LOGIT
+from agentspec.drafters.eagle import FeatureHead, vocab_logits
 from agentspec.grammar import Constraint, apply_bitmask
 from agentspec.sampling import probabilities
 
@@ -107,25 +107,34 @@ class BlockHead(FeatureHead):
             v = attn.v_proj(x).view(1, n, -1, attn.head_dim).transpose(1, 2)
             cache.update(_rotate(k, cos, sin), v, i)
 
+    @torch.inference_mode()
     def block(self, anchor: int, cache) -> torch.Tensor:
-        """The block's final hidden states [B, H] after the context in ``cache``, anchored at ``anchor``."""
+        """The block's final hidden states [B, H] after the context in ``cache``, anchored at ``anchor``.
+
+        Each layer writes the block's keys and values after the context's, where the cache's layers
+        grow in place (no copy of the context), and attends both ways over them; they are cropped
+        off again after the forward: the block is not context."""
         held, b = cache.get_seq_length(), self.block_size
         ids = torch.full((1, b), self.mask_token_id, dtype=torch.long, device=self.device)
         ids[0, 0] = anchor
         x = self.embed(ids).to(self.dtype)
         cos, sin = self.rotary_emb(x, torch.arange(held, held + b, device=x.device)[None])
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(1, b, -1, attn.head_dim)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(h).view(1, b, -1, attn.head_dim)).transpose(1, 2)
-            v = attn.v_proj(h).view(1, b, -1, attn.head_dim).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            ctx = cache.layers[i]
-            keys, values = torch.cat([ctx.keys, k], dim=2), torch.cat([ctx.values, v], dim=2)
-            out = F.scaled_dot_product_attention(q, keys, values, scale=attn.scaling, enable_gqa=True)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, b, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        try:
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                q = attn.q_norm(attn.q_proj(h).view(1, b, -1, attn.head_dim)).transpose(1, 2)
+                k = attn.k_norm(attn.k_proj(h).view(1, b, -1, attn.head_dim)).transpose(1, 2)
+                v = attn.v_proj(h).view(1, b, -1, attn.head_dim).transpose(1, 2)
+                keys, values = cache.update(_rotate(k, cos, sin), v, i)
+                q = _rotate(q, cos, sin)
+                out = F.scaled_dot_product_attention(q, keys, values, scale=attn.scaling, enable_gqa=True)
+                x = x + attn.o_proj(out.transpose(1, 2).reshape(1, b, -1))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+        finally:  # each layer that took the block's rows gives them back (a failed layer: none)
+            for kv in cache.layers:
+                if kv.keys.shape[-2] > held:
+                    kv.crop(held - kv.keys.shape[-2])
         return self.norm(x)[0]
 
     def scores(self, hid: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,10 +143,7 @@ class BlockHead(FeatureHead):
         if not hasattr(self, "lm_head"):
             return self._shared["head"](hid) if bias is None else self._shared["head"](hid) + bias
         sub = self.lm_head(hid) if bias is None else self.lm_head(hid) + bias
-        if self.draft_ids is None:
-            return sub
-        out = sub.new_full((*sub.shape[:-1], self.vocab_size), OUTSIDE_LOGIT)
-        return out.index_copy_(-1, self.draft_ids, sub)
+        return sub if self.draft_ids is None else vocab_logits(sub, self.draft_ids, self.vocab_size)
 
     def step(self, hid: torch.Tensor, prev: int, state: torch.Tensor | None):
         """DSpark's sequential step for one slot: (logits [V], survival estimate or None, the Markov
@@ -175,10 +181,9 @@ def _markov_head(kind: str, vocab: int, rows: int, rank: int, width: int) -> tor
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` [1, heads, T, D] at ``cos``/``sin`` [1, T, D] (transformers' halves)."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    """Rotary embedding of ``x`` [1, heads, T, D] at ``cos``/``sin`` [1, T, D], transformers' way (its
+    ``apply_rotary_pos_emb`` rotates a q and a k together; the context's rows have no q)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class BlockState:
@@ -247,9 +252,10 @@ class BlockDrafter(Drafter):
         hid = hid if head.sample_from_anchor else hid[1:]
         tokens, qs, survival = [], [], []
         prev, markov = seq[-1], None
+        every = head.scores(hid[:k]) if head.markov_type is None else None  # DFlash: one product
         for slot in range(k):
-            if head.markov_type is None:
-                logits, chance = head.scores(hid[slot]), None
+            if every is not None:
+                logits, chance = every[slot], None
             else:
                 logits, chance, markov = head.step(hid[slot], prev, markov)
             if constraint is not None:

@@ -35,21 +35,42 @@ from agentspec.forward import NORMED
 from agentspec.kv import PassIds, common_prefix_len, growing_cache, to_device
 
 EAGLE_ARCHITECTURE = "eagle"
-# the heads ``EagleState`` drafts with: this module's EAGLE-1 head and an EAGLE-3 one
-# (``agentspec.drafters.eagle3``)
-HEAD_ARCHITECTURES = (EAGLE_ARCHITECTURE, "eagle3")
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
+# Filled into the logits of ids outside a draft vocabulary (``vocab_logits``): q = 0 there after a
+# softmax, finite so that a grammar mask leaving only such ids still gives a distribution (uniform over
+# them), and within float16 range
+OUTSIDE_LOGIT = -1.0e4
+
+
+def vocab_logits(sub: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over the target's vocabulary [..., V] from a draft vocabulary's [..., len(ids)] (the
+    target id of each row in ``ids``), ``OUTSIDE_LOGIT`` elsewhere."""
+    out = sub.new_full((*sub.shape[:-1], vocab_size), OUTSIDE_LOGIT)
+    return out.index_copy_(-1, ids, sub)
+
+
+def with_layers(config, layers: int):
+    """A copy of a transformers ``config`` with ``layers`` decoder layers (its per-layer kinds cut)."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types[:layers])
+    return config
+
+
+def one_row_vocab(config):
+    """A copy of ``config`` whose embedding table has one row: a head's own stack, which embeds with
+    the target's table (no special id falls in the one row)."""
+    config = copy.deepcopy(config)
+    config.vocab_size = 1
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = None
+    return config
 
 
 def eagle_config(target_config):
     """The head's decoder config: the target's, with one layer (and a one-row embedding table, unused:
     the head takes embeddings as input)."""
-    config = copy.deepcopy(target_config)
-    config.num_hidden_layers = 1
-    if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types[:1])
-    config.vocab_size = 1
-    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # ids outside the one row
+    config = one_row_vocab(with_layers(target_config, 1))
     config.tie_word_embeddings = False
     return config
 
@@ -138,8 +159,8 @@ def is_feature_head(model) -> bool:
 
 
 def is_eagle(model) -> bool:
-    """Whether ``model`` is a head drafting from the target's features (EAGLE-1 or EAGLE-3)."""
-    return getattr(model, "architecture", None) in HEAD_ARCHITECTURES
+    """Whether ``model`` is this module's EAGLE-1 head (``agentspec distill``'s default)."""
+    return getattr(model, "architecture", None) == EAGLE_ARCHITECTURE
 
 
 class EagleForward:

@@ -27,13 +27,10 @@ from typing import Any
 
 import torch
 
-from agentspec.drafters.eagle import FeatureHead
+from agentspec.drafters.eagle import FeatureHead, one_row_vocab, vocab_logits
 from agentspec.packed import causal_mask
 
 EAGLE3_ARCHITECTURE = "eagle3"
-# Filled into the logits of ids outside the draft vocabulary: q = 0 there after a softmax, finite so
-# that a grammar mask leaving only such ids still gives a distribution (as ``draft_folder.SubsetHead``)
-OUTSIDE_LOGIT = -1.0e4
 
 
 class Eagle3Head(FeatureHead):
@@ -71,7 +68,9 @@ class Eagle3Head(FeatureHead):
         self.norm_output = options.get("norm_output", False)
         self.vocab_size = vocab_size
         d, k = layer_config.hidden_size, len(self.feature_layers)
-        stack = AutoModel.from_config(_one_row_vocab(layer_config))  # the family's layers, norm and rotary
+        stack_config = one_row_vocab(layer_config)  # the family's layers, norm and rotary
+        stack_config._attn_implementation = "sdpa"
+        stack = AutoModel.from_config(stack_config)
         norm_class = type(stack.norm)
         eps = layer_config.rms_norm_eps
         if options.get("norm_before_fc"):
@@ -128,22 +127,4 @@ class Eagle3Head(FeatureHead):
         x = x if self.norm_output else self.norm(x)
         if self.draft_ids is None:
             return self.lm_head(x) if hasattr(self, "lm_head") else self._shared["head"](x)
-        sub = self.lm_head(x)
-        out = sub.new_full((*sub.shape[:-1], self.vocab_size), OUTSIDE_LOGIT)
-        return out.index_copy_(-1, self.draft_ids, sub)
-
-
-def _one_row_vocab(config: Any) -> Any:
-    """``config`` with a one-row embedding table (the stack's own, unused: the head embeds with the
-    target's) and sdpa attention."""
-    import copy
-
-    config = copy.deepcopy(config)
-    config.vocab_size = 1
-    config.pad_token_id = config.bos_token_id = config.eos_token_id = None
-    config._attn_implementation = "sdpa"
-    return config
-
-
-def is_eagle3(model) -> bool:
-    return getattr(model, "architecture", None) == EAGLE3_ARCHITECTURE
+        return vocab_logits(self.lm_head(x), self.draft_ids, self.vocab_size)

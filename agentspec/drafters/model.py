@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.drafters.eagle import EagleForward, EagleState, is_eagle
+from agentspec.drafters.eagle import EagleForward, EagleState, is_feature_head
 from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
 from agentspec.forward import Forward
 from agentspec.grammar import Constraint, apply_bitmask
@@ -66,8 +66,9 @@ class ModelDrafter(Drafter):
         head: EagleForward | None = None,
     ):
         # an EAGLE head drafts from the target's features: ``decode`` hands them to ``observe_features``
-        self.feature_layers = tuple(model.feature_layers) if is_eagle(model) else ()
-        self.context_rows = model.context_rows if is_eagle(model) else 0
+        reads = is_feature_head(model)  # an EAGLE-1 or EAGLE-3 head (a block head drafts in BlockDrafter)
+        self.feature_layers = tuple(model.feature_layers) if reads else ()
+        self.context_rows = model.context_rows if reads else 0
         # ``state``: a preallocated one to draft in (``ModelPair.draft_state``); ``forward``: what the
         # draft model's passes call (``ModelPair.draft_forward``; None: transformers' own); ``head``:
         # what an EAGLE head's passes call (``ModelPair.draft_head``; None: its own modules)

@@ -57,8 +57,8 @@ def _scheduled(pair: DraftSource, memory: DraftMemory) -> ModelDrafter:
 
 
 def _auto(pair: DraftSource, memory: DraftMemory) -> Drafter:
-    # a block head has no confidence schedule yet (issue 49 builds one on its survival estimates):
-    # "auto" then drafts from the suffix trees alone
+    # the hybrid weighs a model's drafts by a ConfidenceSchedule of token-by-token drafts, which a
+    # block head's one-forward block does not fit: with one, "auto" drafts from the suffix trees alone
     scheduled = pair.draft is not None and not isinstance(pair.draft, BlockHead)
     return HybridDrafter(memory, model=_scheduled(pair, memory) if scheduled else None)
 

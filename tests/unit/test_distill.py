@@ -21,7 +21,8 @@ from agentspec.distill.data import Example, load_examples
 from agentspec.distill.prompts import KINDS, PromptSpec, is_heldout, make_prompts, render
 from agentspec.distill.student import build_student, draft_vocab
 from agentspec.distill.train import accepted_run, collate, distill_loss, lr_at, make_batches
-from agentspec.draft_folder import MARKER, OUTSIDE_LOGIT, VOCAB_KEY, SubsetHead, is_draft_folder, load_draft
+from agentspec.draft_folder import MARKER, VOCAB_KEY, SubsetHead, is_draft_folder, load_draft
+from agentspec.drafters.eagle import OUTSIDE_LOGIT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
