@@ -398,6 +398,7 @@ def cmd_vllm_worker(args: argparse.Namespace) -> int:
         command = vllm_worker_command(
             args.port,
             speculative=not args.no_speculation,
+            head=args.head,
             python=python,
             threads=args.threads,
             first_cpu=args.first_cpu,
@@ -416,6 +417,9 @@ def _add_vllm_worker(sub: argparse._SubParsersAction) -> None:
     )
     w.add_argument("--port", type=int, default=8000)
     w.add_argument("--no-speculation", action="store_true", help="no n-gram speculation (the baseline)")
+    w.add_argument(
+        "--head", help="draft with this head folder in the speculators format instead (e.g. an EAGLE-3 head)"
+    )
     w.add_argument(
         "--threads",
         type=int,

@@ -402,6 +402,8 @@ def read_max_context(model: str | None = None) -> int:
 
 
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
+# the embedded target's EAGLE-3 head in the speculators format (agentspec, vLLM and SGLang load it)
+EAGLE3_HEAD = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct-eagle3"
 
 
 def default_draft_folder() -> Path | None:

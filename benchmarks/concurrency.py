@@ -24,6 +24,8 @@ prompt), so replies compare as text. The systems run one after another, each alo
   turn goes to ``/v1/completions`` as the token ids agentspec renders for it, so both engines read the
   same prompt (vLLM's chat endpoint renders the tool history in fewer tokens); in ``fleet`` it goes to
   the chat endpoint, as any client's would.
+- ``vllm_eagle3``: one vLLM worker drafting with the EAGLE-3 head agentspec ships
+  (``agentspec.models.EAGLE3_HEAD``), 4 tokens a pass, prefix caching; in ``sessions`` by default.
 
 Each server run of a K uses a cache salt of its own. Per system and K: session latency (median, p90),
 generated tokens/s, the share of prompt tokens read from cache, and every turn compared with the
@@ -67,7 +69,7 @@ SYSTEMS = {
     **harness.SYSTEMS,
 }
 SESSION_PARTS = {  # part: (its systems, its K, the system every turn is compared with)
-    "sessions": ("inprocess,sequential,single,vllm_spec", "1,2,4,8,16", "sequential"),
+    "sessions": ("inprocess,sequential,single,vllm_spec,vllm_eagle3", "1,2,4,8,16", "sequential"),
     "fleet": ("single,fleet_hash,fleet_rr,vllm_spec,vllm_plain", "1,2,4,8", "single"),
 }
 # (name, K, system a, system b, field, a's field over b's (gap: their difference) against the bound)
@@ -75,6 +77,7 @@ GOALS = [
     ("k8_inprocess_over_vllm_spec_tokens_per_s", 8, "inprocess", "vllm_spec", "tokens_per_s", ">=", 1.5),
     ("k8_vllm_spec_over_inprocess_median_session_s", 8, "vllm_spec", "inprocess", "median_session_s",
      ">=", 1.0),
+    ("k8_inprocess_over_vllm_eagle3_tokens_per_s", 8, "inprocess", "vllm_eagle3", "tokens_per_s", ">=", 1.0),
     ("k8_inprocess_over_sequential_tokens_per_s", 8, "inprocess", "sequential", "tokens_per_s", ">=", 3.0),
     ("k8_single_over_inprocess_wall_s", 8, "single", "inprocess", "wall_s", "<=", 1.10),
     ("k1_vllm_spec_over_single", 1, "vllm_spec", "single", "median_session_s", ">=", 1.5),

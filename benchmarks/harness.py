@@ -180,14 +180,19 @@ SYSTEMS = {
     "fleet_rr": "2 agentspec workers (1 CPU each) behind vllm-router, round_robin",
     "vllm_spec": "one vLLM worker, n-gram speculation, prefix caching",
     "vllm_plain": "one vLLM worker, prefix caching, no speculation",
+    "vllm_eagle3": "one vLLM worker, agentspec's EAGLE-3 head (4 tokens a pass), prefix caching",
 }
 
 
-def vllm_command(port: int, speculative: bool, dtype: str = "float32") -> list[str] | str:
-    """The vLLM worker's command, or why there is none here."""
+def vllm_command(port: int, name: str, dtype: str = "float32") -> list[str] | str:
+    """The command of the vLLM worker of system ``name``, or why there is none here."""
     from agentspec.fleet.vllm import vllm_worker_command
+    from agentspec.models import EAGLE3_HEAD
 
-    command = vllm_worker_command(port, speculative=speculative, dtype=dtype)
+    if name == "vllm_eagle3" and not EAGLE3_HEAD.exists():
+        return f"{EAGLE3_HEAD} is missing"
+    head = EAGLE3_HEAD if name == "vllm_eagle3" else None
+    command = vllm_worker_command(port, speculative=name == "vllm_spec", head=head, dtype=dtype)
     if shutil.which(command[0]) is None:
         return f"{command[0]} is missing: make vllm creates .venv-vllm"
     return command
@@ -212,7 +217,7 @@ def running(name: str, log_dir: Path, dtype: str = "float32") -> Iterator[System
             yield System(name, fleet.url, fleet.workers, fleet)
     else:
         port = free_port()
-        command = vllm_command(port, speculative=name == "vllm_spec", dtype=dtype)
+        command = vllm_command(port, name, dtype=dtype)
         if isinstance(command, str):
             yield command
             return

@@ -21,6 +21,9 @@ Each system runs while the other idles:
 - ``vllm``: one vLLM worker (``agentspec.fleet.vllm``: n-gram speculation, prefix caching; one NUMA
   node's cores less one, ``vllm_cores``) through ``/v1/completions`` with the token ids ChatSpecDecode
   renders (its chat endpoint renders the history in other tokens), a fresh cache salt per repeat.
+- ``vllm_eagle3`` (``--systems agentspec,vllm,vllm_eagle3``): the same, drafting with the EAGLE-3
+  head agentspec ships (``agentspec.models.EAGLE3_HEAD``), 4 tokens a pass; goal: its total seconds
+  over agentspec's >= 1.0.
 
 ``--repeats`` runs of each, the order rotating. The goal figure: vLLM's total seconds over agentspec's,
 each the fastest repeat (a shared machine's noise only adds time; goal >= 1.5); replies are compared
@@ -82,7 +85,10 @@ from langchain_agentspec.messages import to_openai_messages
 SYSTEMS = {
     "agentspec": "ChatSpecDecode in process, its defaults (speculation, prefix cache), a fresh pair a repeat",
     "vllm": "one vLLM worker, n-gram speculation, prefix caching, prompts as ChatSpecDecode's token ids",
+    "vllm_eagle3": "one vLLM worker drafting with agentspec's EAGLE-3 head (4 tokens a pass), prefix "
+    "caching, prompts as ChatSpecDecode's token ids",
 }
+WORKERS = {"vllm": "vllm_spec", "vllm_eagle3": "vllm_eagle3"}  # each vLLM system's harness worker
 CONVERSATION_GOAL = 1.5  # vLLM's conversation time over agentspec's, at least
 FIRST_CALL_GOAL = 1.1  # a first call's time over a later one's of the same size, at most
 WARM_UP_GOAL = 0.2  # the warm-up's time over the rest of the load, at most
@@ -151,6 +157,10 @@ def run_vllm(url: str, model: str, tokenizer, n_new: int, calls: int, fixed: lis
     return conversation(ask, calls, fixed)
 
 
+def version(url: str) -> str | None:
+    return httpx.get(f"{url}/version", timeout=10).json().get("version")
+
+
 def vllm_cores(log: Path) -> str | None:
     """The CPU cores vLLM's worker bound its threads to, as its log says."""
     found = re.findall(r"core ids=(\[[0-9, ]*\])", log.read_text(errors="replace"))
@@ -158,30 +168,31 @@ def vllm_cores(log: Path) -> str | None:
 
 
 def side_by_side(args: argparse.Namespace, dtype: str, tokenizer: Any) -> dict[str, Any]:
-    """Every system's conversation ``args.repeats`` times, the order rotating each repeat; vLLM's
-    worker runs (idle while agentspec runs) for the whole block."""
+    """Every system's conversation ``args.repeats`` times, the order rotating each repeat; each vLLM
+    worker runs (idle while another system runs) for the whole block."""
     runs: dict[str, list[dict]] = {name: [] for name in args.systems}
     log_dir = Path(tempfile.mkdtemp(prefix=f"bench-vllm-{dtype}-"))
-    worker = harness.running("vllm_spec", log_dir, dtype) if "vllm" in runs else contextlib.nullcontext()
-    with worker as system:
-        if isinstance(system, str):
-            raise RuntimeError(f"vLLM: {system}")
-        url = system.url if system else None
-        model = harness.served_model(url) if url else None
+    with contextlib.ExitStack() as stack:
+        served = {}  # each vLLM system's (url, served model name)
+        for name in (n for n in args.systems if n in WORKERS):
+            system = stack.enter_context(harness.running(WORKERS[name], log_dir, dtype))
+            if isinstance(system, str):
+                raise RuntimeError(f"{name}: {system}")
+            served[name] = (system.url, harness.served_model(system.url))
         for r in range(args.repeats):
             for name in harness.rotated(args.systems, r):
                 if name == "agentspec":
                     run = run_agentspec(dtype, args.max_tokens, args.calls, args.fixed)
                 else:
-                    run = run_vllm(url, model, tokenizer, args.max_tokens, args.calls, args.fixed)
+                    run = run_vllm(*served[name], tokenizer, args.max_tokens, args.calls, args.fixed)
                 runs[name].append({"repeat": r, **run})
-                print(f"  {dtype} repeat {r} {name:>9}: {run['total_s']:8.2f} s, "
+                print(f"  {dtype} repeat {r} {name:>11}: {run['total_s']:8.2f} s, "
                       f"{run['tokens_per_s']:6.2f} tok/s", flush=True)  # fmt: skip
-        version = httpx.get(f"{url}/version", timeout=10).json().get("version") if url else None
+        versions = {n: version(url) for n, (url, _) in served.items()}
     return {
         "runs": runs,
-        "server_versions": {"vllm": version} if url else {},
-        "vllm_cores": vllm_cores(log_dir / "vllm_spec.log") if url else None,
+        "server_versions": versions,
+        "vllm_cores": {n: vllm_cores(log_dir / f"{WORKERS[n]}.log") for n in served},
         "replies": compare_replies(runs),
         "same_work": same_work(runs),
     }
@@ -230,11 +241,17 @@ def conversation_goals(dtype: str, per: dict[str, Any]) -> dict[str, Any]:
     """Where agentspec and vLLM both ran: the totals' ratio (the goal), the same-work ratio (the
     like-for-like one) and the per-token one (informational)."""
     runs = per["runs"]
-    if not (runs.get("agentspec") and runs.get("vllm")):
+    if not runs.get("agentspec"):
         return {}
-    ours, theirs = fastest(runs["agentspec"]), fastest(runs["vllm"])
+    ours, out = fastest(runs["agentspec"]), {}
+    if runs.get("vllm_eagle3"):  # the same head drafting in vLLM: agentspec ahead of it
+        ratio = fastest(runs["vllm_eagle3"])["total_s"] / ours["total_s"]
+        out[f"conversation_vllm_eagle3_over_agentspec_{dtype}"] = goal(ratio, 1.0)
+    if not runs.get("vllm"):
+        return out
+    theirs = fastest(runs["vllm"])
     name = f"vllm_over_agentspec_{dtype}"
-    out = {f"conversation_{name}": goal(theirs["total_s"] / ours["total_s"], CONVERSATION_GOAL)}
+    out[f"conversation_{name}"] = goal(theirs["total_s"] / ours["total_s"], CONVERSATION_GOAL)
     if work := per.get("same_work"):
         out[f"conversation_same_work_{name}"] = goal(work["vllm_over_agentspec"], CONVERSATION_GOAL)
     per_token = ours["tokens_per_s"] / theirs["tokens_per_s"]

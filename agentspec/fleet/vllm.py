@@ -31,6 +31,17 @@ NGRAM_SPECULATION = {
     "prompt_lookup_min": 2,
 }
 
+# vLLM's drafter for a head in the speculators format: ``method`` is the folder's type ("eagle3")
+HEAD_DRAFT_TOKENS = 4
+
+
+def head_speculation(folder: str | Path, k: int = HEAD_DRAFT_TOKENS) -> dict:
+    """vLLM's ``--speculative-config`` for the head folder ``folder`` (its config.json names the
+    method), ``k`` draft tokens a pass."""
+    method = json.loads((Path(folder) / "config.json").read_text())["speculators_model_type"]
+    return {"method": method, "model": str(folder), "num_speculative_tokens": k}
+
+
 MAX_MODEL_LEN = 4096
 # On the CPU build this is the share of the NUMA node's host memory vLLM reserves (the KV cache
 # included); its default, 0.92, fails at start-up beside other processes. On a GPU, a quarter of the
@@ -51,6 +62,7 @@ def vllm_worker_command(
     port: int,
     *,
     speculative: bool = True,
+    head: str | Path | None = None,
     python: str | Path | None = None,
     threads: int | None = None,
     first_cpu: int = 0,
@@ -61,6 +73,7 @@ def vllm_worker_command(
     """vLLM's OpenAI server on 127.0.0.1:``port`` over ``model_dir`` (default: the embedded model).
 
     ``speculative``: n-gram speculation (``NGRAM_SPECULATION``); False serves without a drafter.
+    ``head``: a head folder in the speculators format drafts instead (``head_speculation``).
     ``python``: the interpreter that has vLLM (default ``VLLM_PYTHON``). ``threads``: on a CPU, the
     worker's threads, bound to ``threads`` allowed CPUs from the ``first_cpu``-th (workers side by side
     take shares apart); vLLM takes no flag for this, so the command sets its environment variable
@@ -97,8 +110,9 @@ def vllm_worker_command(
     ]
     if eager:
         command.append("--enforce-eager")
-    if speculative:  # vLLM refuses the per-request metrics without a drafter
-        command += ["--speculative-config", json.dumps(NGRAM_SPECULATION)]
+    if speculative or head is not None:  # vLLM refuses the per-request metrics without a drafter
+        config = head_speculation(head) if head is not None else NGRAM_SPECULATION
+        command += ["--speculative-config", json.dumps(config)]
         command += ["--per-request-spec-decode-metrics", "summary"]
     return command
 

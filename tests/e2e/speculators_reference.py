@@ -5,7 +5,8 @@ to be held to (``tests/e2e/test_speculators_heads.py``).
     python speculators_reference.py TARGET_FOLDER OUT_FOLDER OPTIONS_JSON
 
 OPTIONS_JSON: kind ("eagle3", "dflash", "dspark"), layers (the head's decoder layers), aux (target
-layer ids), draft_vocab (None: the target's); eagle3: norm_before_residual, norm_before_fc, fc_norm,
+layer ids), draft_vocab (None: the target's), layer_family ("llama": Llama layers whatever the
+target's family); eagle3: norm_before_residual, norm_before_fc, fc_norm,
 norm_output; dflash and dspark: block_size, mask_token_id, sample_from_anchor, and dspark's
 markov_rank, markov_head_type. Writes OUT/head (the folder ``save_pretrained`` makes) and
 OUT/reference.pt with ids, features [T, k x H] and:
@@ -52,6 +53,16 @@ def main(target_dir: str, out_dir: str, options: dict) -> None:
 
 def build(kind, target, t2d, d2t, size, target_dir, options):
     layer_config = target.config
+    if options.get("layer_family") == "llama":  # a Llama layer on another family's target, as
+        from transformers import LlamaConfig  # published heads for Qwen2.5 targets have
+
+        c = target.config
+        layer_config = LlamaConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
+            max_position_embeddings=c.max_position_embeddings, rope_parameters=c.rope_parameters,
+        )  # fmt: skip
     if kind == "eagle3":
         return Eagle3DraftModel.from_training_args(
             layer_config,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import agentspec
 from agentspec import ModelPair
@@ -26,6 +27,7 @@ from agentspec.drafters.eagle import EagleState
 from agentspec.fleet.vllm import VLLM_PYTHON
 from agentspec.head_folder import load_head
 from agentspec.kv import ModelState
+from agentspec.models import EAGLE3_HEAD
 
 pytestmark = [
     pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON}: make vllm"),
@@ -35,7 +37,9 @@ pytestmark = [
 SCRIPT = Path(__file__).with_name("speculators_reference.py")
 VOCAB = 96
 
-# (target family, the head's options): each norm switch and a second decoder layer, on both families
+# (target family, the head's options): each norm switch and a second decoder layer, on each family
+# speculators builds heads for (Qwen2: its EAGLE-3 heads have Llama layers; DFlash and DSpark heads
+# need Qwen3's or Llama's attention config)
 CASES = {
     "llama": ("llama", {"aux": [0, 2, 3], "draft_vocab": 48}),
     "llama-2-layers-fc-norm": (
@@ -46,6 +50,7 @@ CASES = {
         "qwen3",
         {"aux": [0, 1, 3], "draft_vocab": 40, "norm_before_fc": True, "norm_output": True},
     ),
+    "qwen2-llama-layers": ("qwen2", {"aux": [0, 2, 3], "draft_vocab": 48, "layer_family": "llama"}),
     "dflash-llama": ("llama", {"kind": "dflash", "aux": [1, 2, 3], "block_size": 4, "mask_token_id": 5}),
     "dflash-qwen3-2-layers": (
         "qwen3",
@@ -85,7 +90,7 @@ def built(request, tmp_path_factory, tiny_llama, tiny_qwen):
     target = (
         tiny_llama(7, vocab_size=VOCAB, layers=4, max_positions=256)
         if family == "llama"
-        else tiny_qwen("qwen3", 7, VOCAB, layers=4)
+        else tiny_qwen(family, 7, VOCAB, layers=4)
     )
     out = tmp_path_factory.mktemp(request.param)
     target.save_pretrained(out / "target")
@@ -175,6 +180,11 @@ def test_agentspec_distill_writes_a_head_in_the_speculators_format(tiny_smol, tm
     assert len(read(responses)) == 6
     training = json.loads((out / "training.json").read_text())
     assert training["steps"] >= 1 and training["curve"][-1]["acceptance_length"] >= 1.0
+    # the loss saw response rows only; stored in bfloat16, without the target's embedding table
+    data, seen = training["data"], training["curve"][-1]["tokens"]
+    assert 0 < seen <= (training["epochs"] + 1) * (data["train_response_tokens"] + data["train_examples"])
+    weights = load_file(out / "model.safetensors")
+    assert "embed_tokens.weight" not in weights and weights["fc.weight"].dtype == torch.bfloat16
     head = load_head(out, tiny_smol.target)
     assert head.feature_layers == (0, 1) and head.draft_ids is not None and len(head.draft_ids) == 512
     pair = ModelPair(target=tiny_smol.target, draft=head, tokenizer=tiny_smol.tokenizer, name="distilled")
@@ -182,9 +192,6 @@ def test_agentspec_distill_writes_a_head_in_the_speculators_format(tiny_smol, tm
     plain = agentspec.generate(pair, prompt, speculative=False, max_new_tokens=16, prefix_cache=False)
     spec = agentspec.generate(pair, prompt, drafter="model", max_new_tokens=16, prefix_cache=False)
     assert spec.token_ids == plain.token_ids and spec.stats.draft_tokens > 0
-
-
-EAGLE3_HEAD = Path(agentspec.__file__).resolve().parent / "drafts" / "smollm2-135m-instruct-eagle3"
 
 
 @pytest.mark.skipif(not EAGLE3_HEAD.exists(), reason="no trained EAGLE-3 head in this checkout")
@@ -213,3 +220,28 @@ def test_the_trained_head_accepts_as_in_vllm(tmp_path):
     assert ours["drafts"] > 0 and ours["accepted"] > 0
     assert 0.9 <= ours["acceptance_length"] / vllm["acceptance_length"] <= 1.1
     assert ours["outputs"] == vllm["outputs"] and heads["same_as_plain"] == "4/4"
+
+
+@pytest.mark.skipif(not EAGLE3_HEAD.exists(), reason="no trained EAGLE-3 head in this checkout")
+def test_a_vllm_worker_drafts_with_the_shipped_head():
+    """``vllm_worker(head=...)``, the benchmarks' ``vllm_eagle3`` system: vLLM's OpenAI server drafts
+    with the committed head (its per-request metrics count accepted drafts), and its greedy replies to
+    prompt token ids are agentspec's plain decoding's."""
+    import openai
+
+    from agentspec.distill.prompts import make_prompts, render
+    from agentspec.fleet.process import free_port
+    from agentspec.fleet.vllm import vllm_worker
+
+    pair = agentspec.load_pair(draft_model=False)
+    prompts = [render(pair.tokenizer, spec) for spec in make_prompts(40)[-3:]]
+    with vllm_worker(free_port(), head=EAGLE3_HEAD, eager=True, startup_timeout_s=480.0) as worker:
+        client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        accepted = 0
+        for ids in prompts:
+            r = client.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0)
+            plain = agentspec.generate(pair, ids, speculative=False, max_new_tokens=24, prefix_cache=False)
+            assert r.choices[0].text == plain.text, ids
+            accepted += r.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"]
+    assert accepted > 0, "no draft token was accepted: the head did not draft"

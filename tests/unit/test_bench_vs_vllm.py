@@ -153,3 +153,36 @@ def test_first_call_goals_take_the_worst_size_and_the_largest_warm_up_share():
         "warm_up_over_load_float32": {"value": 0.25, "goal": "<= 0.2", "met": False},  # 0.2 / (1 - 0.2)
     }
     assert bench.first_call_goals("float32", []) == {}
+
+
+def test_vllm_with_the_eagle3_head_has_its_own_goal():
+    """The ``vllm_eagle3`` system (the shipped head drafting in vLLM): agentspec ahead of it, its
+    total seconds over agentspec's at least 1."""
+    runs = {**RUNS, "vllm_eagle3": [run(0, [2.0, 2.0, 2.0], ["a", "b", "c"], 30)]}
+    goals = bench.conversation_goals("float32", per_dtype(runs))
+    assert goals["conversation_vllm_eagle3_over_agentspec_float32"] == {
+        "value": 1.0,
+        "goal": ">= 1.0",
+        "met": True,
+    }
+    assert goals["conversation_vllm_over_agentspec_float32"]["value"] == 2.0
+    without_ngram = {name: runs[name] for name in ("agentspec", "vllm_eagle3")}
+    assert list(bench.conversation_goals("float32", per_dtype(without_ngram))) == [
+        "conversation_vllm_eagle3_over_agentspec_float32"
+    ]
+
+
+def test_the_vllm_worker_drafts_with_a_head_folder(tmp_path):
+    """``vllm_worker_command(head=...)``: vLLM's speculative config names the folder and its type."""
+    from agentspec.fleet.vllm import head_speculation, vllm_worker_command
+
+    (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    command = vllm_worker_command(8000, speculative=False, head=tmp_path, model_dir=tmp_path)
+    config = json.loads(command[command.index("--speculative-config") + 1])
+    assert (
+        config
+        == head_speculation(tmp_path)
+        == {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 4}
+    )
+    assert "--per-request-spec-decode-metrics" in command
+    assert "--speculative-config" not in vllm_worker_command(8000, speculative=False, model_dir=tmp_path)
