@@ -21,8 +21,8 @@ rows; its features come from the target's prefill of the whole example.
 
 Writes OUT (the head folder, ``save_pretrained``) and OUT/training.json: the recipe, and the learning
 curve (held-out replies, teacher-forced: each training-time-test step's accuracy given the steps
-before it were right, and the acceptance length they imply for 3 drafted tokens) against the
-response tokens the loss has seen.
+before it were right, and the acceptance length they imply for ``--ttt-steps`` drafted tokens)
+against the response tokens the loss has seen.
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 from transformers import AutoModelForCausalLM
 
-TTT_STEPS = 3
-
 
 def examples(path: str) -> list[dict]:
     with safe_open(path, "pt") as f:
@@ -65,81 +63,104 @@ def features(target, ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor
     captured = {}
     hook = target.model.norm.register_forward_pre_hook(lambda m, args: captured.update(last=args[0]))
     try:
-        states = target.model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        states = target.model(input_ids=ids[None].to(target.device), output_hidden_states=True).hidden_states
     finally:
         hook.remove()
     aux = torch.cat([states[i][0] for i in layers], -1)
-    return aux.to(torch.bfloat16), captured["last"][0].to(torch.bfloat16)
+    return aux.to(torch.bfloat16).cpu(), captured["last"][0].to(torch.bfloat16).cpu()
 
 
-def add_features(target, items: list[dict], layers: list[int], args: argparse.Namespace) -> float:
-    """Each item's features (``aux``, ``last``), read from ``--features-cache`` (a folder, one file per
-    layer set and dtype) where an earlier run computed them for the same ids, else by prefill; the
-    seconds spent."""
-    name = f"features-{'-'.join(map(str, layers))}-{args.feature_dtype}.safetensors"
-    path = Path(args.features_cache) / name if args.features_cache else None
-    stored = load_file(str(path)) if path is not None and path.exists() else {}
-    start, missing = time.perf_counter(), 0
-    for item in items:
-        key = hashlib.sha1(item["ids"].numpy().tobytes()).hexdigest()
-        if f"{key}.aux" not in stored:
-            stored[f"{key}.aux"], stored[f"{key}.last"] = features(target, item["ids"], layers)
-            missing += 1
-        item["aux"], item["last"] = stored[f"{key}.aux"], stored[f"{key}.last"]
-    if path is not None and missing:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(stored, str(path))
-    return time.perf_counter() - start
+class Features:
+    """The target's features of each example (``aux``, ``last``), from its ``first`` row: its
+    ``--prompt-context`` tokens before the response (the prefill covers the whole example; the rows
+    before ``first`` are not kept, they would be most of the memory). Computed when a batch first
+    needs them, inside the time budget (a prefill costs about what training on the rows does, so an
+    up-front pass over a large set would leave no time to train), kept in ``--features-cache`` (one
+    file per layer set, dtype and context) for later runs on the same ids."""
+
+    def __init__(self, target, layers: list[int], args: argparse.Namespace) -> None:
+        self.target, self.layers, self.context = target, layers, args.prompt_context
+        name = f"features-{'-'.join(map(str, layers))}-{args.feature_dtype}-ctx{self.context}.safetensors"
+        self.path = Path(args.features_cache) / name if args.features_cache else None
+        self.stored = load_file(str(self.path)) if self.path is not None and self.path.exists() else {}
+        self.seconds, self.computed, self.reused = 0.0, 0, 0
+
+    def fill(self, items: list[dict]) -> None:
+        """Give each item its ``first``, ``aux`` and ``last`` (a prefill where none is kept)."""
+        start = time.perf_counter()
+        for item in items:
+            if "aux" in item:
+                continue
+            item["first"] = max(0, item["prompt"] - self.context)
+            key = hashlib.sha1(item["ids"].numpy().tobytes()).hexdigest()
+            if f"{key}.aux" in self.stored:
+                self.reused += 1
+            else:
+                aux, last = features(self.target, item["ids"], self.layers)
+                self.stored[f"{key}.aux"], self.stored[f"{key}.last"] = (
+                    aux[item["first"] :],
+                    last[item["first"] :],
+                )
+                self.computed += 1
+            item["aux"], item["last"] = self.stored[f"{key}.aux"], self.stored[f"{key}.last"]
+        self.seconds += time.perf_counter() - start
+
+    def save(self) -> None:
+        if self.path is not None and self.computed:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(self.stored, str(self.path))
 
 
-def pack(items: list[dict]) -> dict:
-    """Sequences back to back, each shifted as speculators' ``shift_batch`` does (x_{i+1} with g_i),
-    the loss on the rows whose predicted token (row r's is ids[r + 2]) is in the response."""
+def pack(items: list[dict], budget: int, device: str = "cpu") -> dict:
+    """Sequences back to back, each from its ``first`` token for at most ``budget`` tokens, shifted as
+    speculators' ``shift_batch`` does (x_{i+1} with g_i), the loss on the rows whose predicted token
+    (row r's is ids[r + 2]) is in the response."""
     parts: dict[str, list] = {k: [] for k in ("input_ids", "hidden_states", "verifier_last_hidden_states")}
     parts.update(position_ids=[], doc=[], loss_mask=[])
     for d, item in enumerate(items):
-        n, first = len(item["ids"]), item["first"]
-        parts["input_ids"].append(item["ids"][1:])
-        parts["hidden_states"].append(item["aux"][:-1].float())
-        parts["verifier_last_hidden_states"].append(item["last"][1:].float())
+        first = item["first"]
+        n = min(len(item["ids"]) - first, budget)
+        parts["input_ids"].append(item["ids"][first + 1 : first + n])
+        parts["hidden_states"].append(item["aux"][: n - 1].float())
+        parts["verifier_last_hidden_states"].append(item["last"][1:n].float())
         parts["position_ids"].append(torch.arange(first + 1, first + n))
         parts["doc"].append(torch.full((n - 1,), d))
         parts["loss_mask"].append(torch.arange(first + 2, first + n + 1) >= item["prompt"])
-    batch = {k: torch.cat(v)[None] for k, v in parts.items()}
+    batch = {k: torch.cat(v)[None].to(device) for k, v in parts.items()}
     batch["document_ids"] = batch.pop("doc")
     return batch
 
 
 def batches(items: list[dict], budget: int, context: int, rng: random.Random) -> list[list[dict]]:
-    """Shuffled items packed into batches of at most ``budget`` tokens, each item from ``context``
-    tokens before its response (``first``: where the slice starts in the example)."""
+    """Shuffled items packed into batches of at most ``budget`` tokens, each from ``context`` tokens
+    before its response."""
     order = items[:]
     rng.shuffle(order)
     out, cur, size = [], [], 0
     for item in order:
-        first = max(0, item["prompt"] - context)
-        end = min(len(item["ids"]), first + budget)
-        if cur and size + end - first > budget:
+        n = min(len(item["ids"]) - max(0, item["prompt"] - context), budget)
+        if cur and size + n > budget:
             out.append(cur)
             cur, size = [], 0
-        sliced = {k: item[k][first:end] for k in ("ids", "aux", "last")}
-        cur.append({**item, **sliced, "first": first})
-        size += end - first
+        cur.append(item)
+        size += n
     return out + ([cur] if cur else [])
 
 
 @torch.no_grad()
 def evaluate(head, held: list[dict], args: argparse.Namespace, loss_config) -> dict:
     """Each step's held-out accuracy given the steps before were right, and the acceptance length
-    1 + a0 + a0 a1 + a0 a1 a2 they imply (teacher-forced)."""
+    1 + a0 + a0 a1 + ... they imply (teacher-forced)."""
     head.eval()
     sums: dict[str, float] = {}
     for group in batches(held, args.batch_tokens, args.prompt_context, random.Random(0)):
-        _, _, metrics = head(**pack(group), ttt_steps=TTT_STEPS, loss_config=loss_config)
+        _, _, metrics = head(
+            **pack(group, args.batch_tokens, args.device), ttt_steps=args.ttt_steps, loss_config=loss_config
+        )
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     head.train()
-    cond = [sums[f"cond_acc_{s}_sum"] / max(sums[f"cond_acc_{s}_total"], 1.0) for s in range(TTT_STEPS)]
+    cond = [sums[f"cond_acc_{s}_sum"] / max(sums[f"cond_acc_{s}_total"], 1.0) for s in range(args.ttt_steps)]
     length, run = 1.0, 1.0
     for a in cond:
         run *= a
@@ -158,6 +179,9 @@ def parse_args() -> argparse.Namespace:
         "--layer-ids", help="the target layers the head reads, e.g. 2,15,27 (default: speculators')"
     )
     parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--ttt-steps", type=int, default=4, help="training-time-test steps: the draft length it trains for"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument(
@@ -167,6 +191,9 @@ def parse_args() -> argparse.Namespace:
         "--prompt-context", type=int, default=128, help="prompt tokens kept before each response"
     )
     parser.add_argument("--init", help="a head folder to train on from (its vocabulary kept)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the target and head run (cuda: the same loop on a GPU)"
+    )
     parser.add_argument("--features-cache", help="a folder keeping the target's features between runs")
     parser.add_argument(
         "--feature-dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -192,7 +219,7 @@ def build_head(target, items: list[dict], args: argparse.Namespace):
     layer_ids = [int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None
     return Eagle3DraftModel.from_training_args(
         config, t2d=t2d, d2t=d2t, draft_vocab_size=args.draft_vocab, norm_before_residual=True,
-        verifier_name_or_path=args.target, draft_attn_impl="eager", ttt_steps=TTT_STEPS,
+        verifier_name_or_path=args.target, draft_attn_impl="eager", ttt_steps=args.ttt_steps,
         target_layer_ids=layer_ids,
     )  # fmt: skip
 
@@ -208,9 +235,10 @@ def load_head(folder: str, target: str):
     return head
 
 
-def train(head, train_items: list[dict], held: list[dict], args: argparse.Namespace) -> dict:
-    """AdamW over packed batches until the time budget (warm-up, then a cosine over the budget), the
-    held-out curve every ``--eval-every`` steps: steps, epochs, seconds and the curve."""
+def train(head, features: Features, train_items: list[dict], held: list[dict], args) -> dict:
+    """AdamW over packed batches until the time budget (warm-up, then a cosine over the budget; the
+    features a batch needs first are computed inside it), the held-out curve every ``--eval-every``
+    steps: steps, epochs, seconds and the curve."""
     loss_config = resolve_loss_config("kl_div", "eager")
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -228,8 +256,10 @@ def train(head, train_items: list[dict], held: list[dict], args: argparse.Namesp
         frac = min(1.0, (begun - start) / (deadline - start))
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        batch = pack(plan.pop())
-        _, loss, _ = head(**batch, ttt_steps=TTT_STEPS, loss_config=loss_config)
+        group = plan.pop()
+        features.fill(group)
+        batch = pack(group, args.batch_tokens, args.device)
+        _, loss, _ = head(**batch, ttt_steps=args.ttt_steps, loss_config=loss_config)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -239,7 +269,7 @@ def train(head, train_items: list[dict], held: list[dict], args: argparse.Namesp
         per_step = time.perf_counter() - begun
         if step % args.eval_every == 0:
             measured = evaluate(head, held, args, loss_config)
-            curve.append({"tokens": tokens, "step": step, "loss": float(loss), **measured})
+            curve.append({"tokens": tokens, "step": step, "loss": float(loss.detach()), **measured})
             print(json.dumps(curve[-1]), flush=True)
     curve.append({"tokens": tokens, "step": step, **evaluate(head, held, args, loss_config)})
     return {"steps": step, "epochs": epoch, "train_seconds": time.perf_counter() - start, "curve": curve}
@@ -249,11 +279,14 @@ def store(head, out: Path) -> None:
     """``save_pretrained`` in bfloat16, without the embedding table: it is the target's, frozen, and
     agentspec and vLLM both take the target's where a head folder has none (153 MB for SmolLM2 in
     float32, the trained weights 20 MB in bfloat16)."""
-    head.to(torch.bfloat16).save_pretrained(str(out))
+    head.to(torch.bfloat16).cpu().save_pretrained(str(out))
     weights = load_file(str(out / "model.safetensors"))
     weights.pop("embed_tokens.weight", None)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.py").unlink(missing_ok=True)  # speculators' config class source: no loader reads it
+    config = json.loads((out / "config.json").read_text())
+    config.pop("auto_map", None)  # it names that file
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def init_record(folder: str | None) -> dict | None:
@@ -271,21 +304,22 @@ def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, args.feature_dtype)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval().to(args.device)
     items = examples(args.responses)
-    head = build_head(target, items, args)
+    head = build_head(target, items, args).to(args.device)
     layers = head.config.eagle_aux_hidden_state_layer_ids
     train_items = [i for i in items if not i["heldout"]]
     held = [i for i in items if i["heldout"]][: args.eval_examples]
-    feature_seconds = add_features(target, train_items + held, layers, args)
-    del target
-    run = train(head, train_items, held, args)
+    features = Features(target, layers, args)
+    features.fill(held)
+    run = train(head, features, train_items, held, args)
+    features.save()
     out = Path(args.out)
     store(head, out)
     record = {
         "recipe": {
             "model": "speculators Eagle3DraftModel, 1 layer, norm_before_residual, aux layers " + str(layers),
-            "loss": f"speculators kl_div (eager), training-time test {TTT_STEPS} steps",
+            "loss": f"speculators kl_div (eager), training-time test {args.ttt_steps} steps",
             "optimizer": f"AdamW lr {args.lr}, 20 warm-up steps, cosine to 0.1x in {args.minutes} min",
             "batch_tokens": args.batch_tokens,
             "loss_rows": f"response tokens only, after {args.prompt_context} prompt tokens of context",
@@ -299,7 +333,9 @@ def main() -> None:
             "heldout_examples": len(held),
             "train_tokens": sum(len(i["ids"]) for i in train_items),
             "train_response_tokens": sum(len(i["ids"]) - i["prompt"] for i in train_items),
-            "feature_seconds": feature_seconds,
+            "feature_seconds": features.seconds,
+            "features_computed": features.computed,
+            "features_reused": features.reused,
         },
         **run,
     }
