@@ -324,6 +324,40 @@ class CostModel:
         return scale + max(rate, 1 / (seen + 1)) * (ratio - scale)  # a running mean, then the EWMA
 
 
+# --- passes by their rows: what the scheduler measured --------------------------------------------------
+
+
+def rows_bucket(rows: int) -> int:
+    """The row count a pass is filed under: itself up to 64, else the power of two at or above it."""
+    return rows if rows <= 64 else 1 << (rows - 1).bit_length()
+
+
+@dataclass
+class RowsCurve:
+    """Seconds of one target pass by its total rows, learned from every pass a pair's scheduler ran,
+    packed ones with all their members' rows (a drafter's own timer sees only its share of a shared
+    pass). Each bucket (``rows_bucket``) keeps its last ``window`` passes; its time is their median;
+    ``PairCost.pass_s`` reads the buckets with ``min_samples`` passes."""
+
+    window: int = 16
+    min_samples: int = 3
+    observed: int = 0  # passes seen
+    _times: dict[int, deque] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        with self._lock:
+            self.observed += 1
+            self._times.setdefault(rows_bucket(rows), deque(maxlen=self.window)).append(seconds)
+
+    def points(self) -> list[tuple[int, float]]:
+        """(bucket, seconds) of the buckets with enough passes, by rows: their medians, fitted
+        non-decreasing (a pass of more rows never costs less; noise says otherwise now and then)."""
+        with self._lock:
+            seen = [(n, list(t)) for n, t in self._times.items() if len(t) >= self.min_samples]
+        return isotonic(sorted((n, statistics.median(t), len(t)) for n, t in seen))
+
+
 # --- the pair's owner of both ---------------------------------------------------------------------------
 
 
@@ -338,6 +372,7 @@ class PairCost:
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device_type = torch.device(device).type if device is not None else "cpu"
         self.verify = VerifyCost.for_device(self.device_type)
+        self.rows = RowsCurve()  # every pass the scheduler ran, by its total rows
         self._latency: dict[int, CostModel] = {}
         self._lock = threading.Lock()
 
@@ -363,9 +398,25 @@ class PairCost:
         """One target pass the loop ran: ``fed`` rows after ``cached`` ones, in ``seconds``."""
         self.latency().observe_pass(fed, cached, seconds)
 
+    def observe_rows(self, rows: int, seconds: float) -> None:
+        """One pass the scheduler ran over ``rows`` rows in all (every member's), in ``seconds``."""
+        self.rows.observe(rows, seconds)
+
     def pass_s(self, rows: int, cached: int) -> float:
-        """Seconds of one target pass over ``rows`` new rows after ``cached`` ones: a prefill's curve
-        from ``MIN_PREFILL_SAMPLE`` rows, else a one-row pass times the verify curve's V(rows)."""
+        """Seconds of one target pass over ``rows`` new rows after ``cached`` ones: the rows curve the
+        scheduler measured where it covers ``rows``; past its ends, its nearest point scaled by the
+        priced curve's shape; with no measured point, the priced curve itself (``priced_s``)."""
+        points = self.rows.points()
+        if not points:
+            return self.priced_s(rows, cached)
+        if points[0][0] <= rows <= points[-1][0]:
+            return interpolate(points, rows)
+        at, seconds = points[0] if rows < points[0][0] else points[-1]
+        return seconds * self.priced_s(rows, cached) / self.priced_s(at, cached)
+
+    def priced_s(self, rows: int, cached: int) -> float:
+        """A pass priced from the latency curve: a prefill's from ``MIN_PREFILL_SAMPLE`` rows, else
+        a one-row pass times the verify curve's V(rows)."""
         latency = self.latency()
         if rows >= MIN_PREFILL_SAMPLE:
             return latency.prefill_s(rows, cached)

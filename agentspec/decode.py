@@ -38,6 +38,7 @@ from agentspec.cost import baseline_seconds
 from agentspec.drafters import Draft, Drafter
 from agentspec.drafters.base import Adopted, DrafterLike
 from agentspec.drafters.registry import build_drafter, check_name
+from agentspec.drafters.schedule import survival
 from agentspec.drafters.tenants import TenantStore
 from agentspec.grammar import Constraint, Grammar, apply_bitmask
 from agentspec.kv import ModelState, PassIds, to_device
@@ -171,7 +172,9 @@ def check_draft(draft: Draft, k: int, vocab: int) -> Draft:
         q = q[: len(tokens)]
         if tuple(q.shape) != (len(tokens), vocab):
             raise ValueError(f"draft q has shape {tuple(q.shape)}, expected {(len(tokens), vocab)}")
-    return Draft(tokens, q, draft.source)
+    est = draft.survival  # estimates that do not cover the draft are not used
+    est = est[: len(tokens)] if est is not None and len(est) >= len(tokens) else None
+    return Draft(tokens, q, draft.source, est)
 
 
 def _check_ids(tokens: list[int], vocab: int) -> None:
@@ -336,16 +339,18 @@ def _propose(call: _Call, seq: list[int], k: int) -> Draft:
 def _draft(call: _Call, forced: list[int], k: int, finished: bool, cap: int | None = None):
     """The pass's draft after ``forced``: the text the grammar forces, then the drafter's guess, fit
     to the grammar. Returns (tokens: host ids, or a [k] tensor still on the device; q [len(tokens),
-    V] or None; jump-forward tokens leading; source)."""
+    V] or None; jump-forward tokens leading; source; each token's estimated acceptance given those
+    before it, or None: none, or a grammar shaped the draft)."""
     c = call.constraint
     tokens = c.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if call.jump else []
     n_jump = len(tokens)
     k_draft = min(call.draft_cap if cap is None else min(cap, call.draft_cap), k - n_jump)
-    q, source = None, None
+    q, source, acceptance = None, None, None
     if call.drafter is not None and k_draft > 0 and not finished:
         seq = call.seq + forced + tokens if forced or tokens else call.seq  # no copy per pass if none
         draft = _propose(call, seq, k_draft)
         source = draft.source
+        acceptance = draft.survival if c is None else None
         drafted = draft.tokens
         if c is not None and isinstance(drafted, torch.Tensor):  # the grammar fits a draft on the host
             drafted = drafted.tolist()
@@ -357,7 +362,7 @@ def _draft(call: _Call, forced: list[int], k: int, finished: bool, cap: int | No
         tokens = tokens[: _fit_to_grammar(c, tokens, n_jump, q is not None)]
     if len(tokens) == n_jump:  # no drafter guess survived: only grammar-forced tokens, or nothing
         source = "jump_forward" if n_jump else None
-    return tokens, q, n_jump, source
+    return tokens, q, n_jump, source, acceptance
 
 
 def _guard(d: torch.Tensor, q: torch.Tensor | None, vocab: int, on_device: bool):
@@ -401,6 +406,10 @@ class _Pass:
     tap: tuple[int, ...] = ()  # the target's features its drafter reads (an EAGLE head's layers)
     chunk: bool = False  # a chunk of the prompt only, fed beside other calls' rows: no logits, no Step
     scored: bool = False  # the call asked for log-probabilities: the forced tokens' rows are kept too
+    # S_1 >= S_2 >= ...: the chance that the draft's first i tokens all survive, where a scheduler may
+    # verify a prefix of the draft only (a greedy or seeded call's, drafted without a grammar); None:
+    # the draft is verified whole
+    survival: list[float] | None = None
 
     @property
     def keep(self) -> int:
@@ -411,6 +420,13 @@ class _Pass:
             return 0
         forced = len(self.forced) if self.scored else 0
         return forced + (len(self.tokens) + 1 if self.verified else 0)
+
+    def trim(self, n: int) -> None:
+        """Verify only the draft's first ``n`` tokens (a shorter deterministic draft is just another
+        draft: the output is the same)."""
+        self.tokens = self.tokens[:n]
+        self.survival = self.survival[:n]
+        self.feed = PassIds(self.feed.host, self.feed.device[:n])
 
 
 def _chunk(call: _Call, size: int) -> _Pass | None:
@@ -438,7 +454,7 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
     # never draft past the token budget or the context window
     cap = cap if call.config.greedy or call.key is not None else None
     cap = _invariant_cap(call, len(pending) + len(forced), cap)
-    tokens, q, n_jump, source = _draft(call, forced, room - len(forced) - 1, finished, cap)
+    tokens, q, n_jump, source, acceptance = _draft(call, forced, room - len(forced) - 1, finished, cap)
     verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
     scored = call.config.logprobs is not None
     p = _Pass(t0, at, pending, forced, tokens, n_jump, source, verified, scored=scored)
@@ -452,6 +468,8 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
         d, p.q, p.bad = _guard(d, q, call.vocab, on_device)
         p.feed = PassIds(pending + forced, d)
         p.tap = call.drafter.feature_layers if call.drafter is not None else ()
+        if acceptance is not None and len(tokens) and not sampled:
+            p.survival = survival(acceptance.tolist())  # a host read of a head's estimates on a GPU
     return p
 
 
@@ -771,6 +789,13 @@ class _Member:
     def share(self, chunk: int | None, cap: int | None) -> _Pass:
         self._at = len(self.call.target.ids)  # where a pass that fails before its landing rolls back to
         return (_chunk(self.call, chunk) if chunk is not None else None) or _plan(self.call, cap)
+
+    def trim(self, p: _Pass, n: int) -> None:
+        p.trim(n)
+        try:
+            self.call.drafter.trimmed(n)
+        except Exception as exc:
+            self.call.drop(exc)
 
     @property
     def cached(self) -> int:

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ PREFILL_CHUNK = 512  # any other device
 # (docs/benchmarks.md, "concurrency"): their suffix drafts are mostly accepted, which a bound by cost
 # alone cannot see. Set ``Scheduler.load_factor`` to bound them.
 LOAD_FACTOR: float | None = None
+SCHEDULE_DRAFTS = True  # a shared pass verifies the drafts likely to survive (``_verify_lengths``)
 
 
 class Share(Protocol):
@@ -66,6 +68,9 @@ class Share(Protocol):
         ...
 
     tap: tuple[int, ...]  # the target's features of its rows the member reads too (none: ())
+    # S_1 >= S_2 >= ...: the chance that its draft's first i tokens all survive, where the scheduler
+    # may verify a prefix of the draft only (``Member.trim``); None: fed whole
+    survival: list[float] | None
 
 
 class Member(Protocol):
@@ -103,6 +108,10 @@ class Member(Protocol):
         ``cap``: the most drafter tokens (None: its own cap)."""
         ...
 
+    def trim(self, share: Share, n: int) -> None:
+        """Verify only the first ``n`` tokens of its share's draft (its feed shrinks to match)."""
+        ...
+
     def judge(self, share: Share, out: Any) -> Verdict | None:
         """The pass's verdict from its logits ``out``, on the device: what the host is to read for
         it (None: nothing; no forward ran, or it reads no logits)."""
@@ -128,6 +137,7 @@ class SchedulerStats:
     passes: int = 0  # target forwards run
     rows: int = 0  # tokens fed over all those forwards
     members: int = 0  # member shares over all those forwards (members per pass = members / passes)
+    trimmed: int = 0  # draft tokens drafted but not verified: their rows did not pay in a shared pass
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (members, rows) of recent passes
 
 
@@ -153,6 +163,36 @@ def _drafted(meeting: Rendezvous, member: Member, chunk: int | None, cap: int | 
         release_pool()  # the pass that follows runs in the pass thread (agentspec.threads)
 
 
+def batch_lengths(
+    survivals: Sequence[Sequence[float]], fixed_rows: int, pass_s: Callable[[int], float]
+) -> list[int]:
+    """Each member's draft length in one packed pass, for the most expected tokens per second.
+
+    ``survivals[i]`` are member i's S_1 >= S_2 >= ... (its draft's prefix survivals); ``fixed_rows``
+    the rows the pass feeds whatever the drafts (each member's pending token, prompt chunks, drafts
+    not scheduled); ``pass_s(rows)`` what a pass of that many rows costs. Each member yields 1 + the
+    survivals it keeps. Draft tokens are admitted most likely first (DSpark: a prefix's survival
+    never rises along it, so every member keeps a prefix), and the count kept is the one with the
+    best tokens per second over every count: a lone call keeps its drafts while rows are cheap, a
+    full pass only what will likely survive.
+    """
+    ranked = sorted(
+        ((s, i, j) for i, member in enumerate(survivals) for j, s in enumerate(member)),
+        key=lambda t: (-t[0], t[2], t[1]),
+    )
+    tokens = float(len(survivals))
+    best_n, best = 0, tokens / pass_s(fixed_rows)
+    for n, (s, _, _) in enumerate(ranked, start=1):
+        tokens += s
+        rate = tokens / pass_s(fixed_rows + n)
+        if rate > best:
+            best_n, best = n, rate
+    lengths = [0] * len(survivals)
+    for _, i, _ in ranked[:best_n]:
+        lengths[i] += 1
+    return lengths
+
+
 def urgent(members: list[Member]) -> list[Member]:
     """The members that take part in a pass: every one, except that while two or more prompts are
     being prefilled in chunks, only those of the most urgent priority among them feed theirs; the
@@ -175,11 +215,13 @@ class Scheduler:
         prefill_chunk: int = PREFILL_CHUNK,
         batch_drafts: bool = True,
         load_factor: float | None = LOAD_FACTOR,
+        schedule_drafts: bool = SCHEDULE_DRAFTS,
     ):
         self.lock = lock  # the pair's: held for each pass, and by callers joining or leaving
         self.cost = cost  # the pair's: what a pass of so many rows costs (``draft_cap``)
         self.prefill_chunk = prefill_chunk
         self.load_factor = load_factor  # None: members draft as alone, whatever the load
+        self.schedule_drafts = schedule_drafts  # each shared pass verifies what will likely survive
         # members draft in threads of their own, a draft model's steps shared (``packed.Rendezvous``);
         # False where drafters share one draft state (``ModelPair.draft_cache`` static or compiled)
         self.batch_drafts = batch_drafts
@@ -282,11 +324,14 @@ class Scheduler:
             else:
                 shares.append((m, share))
         fed = [(m, s) for m, s in shares if s.feed is not None]
+        if len(fed) > 1 and self.schedule_drafts:
+            self._verify_lengths(fed)
+        begun = time.perf_counter()
         outs = self._forward(fed) if fed else {}
+        rows = sum(len(s.feed) for _, s in fed)
         if fed:
             self.stats.passes += 1
             self.stats.members += len(fed)
-            rows = sum(len(s.feed) for _, s in fed)
             self.stats.rows += rows
             self.stats.recent.append((len(fed), rows))
         alone = len(fed) == 1
@@ -299,7 +344,10 @@ class Scheduler:
                 judged.append((m, s, m.judge(s, out)))
             except Exception as exc:
                 self._fail(m, exc)
-        for m, s, read in self._read(judged):
+        landing = self._read(judged)  # the host read: the pass is done on the device
+        if fed and len(landing) == len(shares):  # no member failed: one whole pass
+            self.cost.observe_rows(rows, time.perf_counter() - begun)
+        for m, s, read in landing:
             try:
                 left = m.land(s, read, alone)
             except Exception as exc:
@@ -334,6 +382,25 @@ class Scheduler:
             return None
         rows = self.cost.rows_within(self.load_factor, max(m.cached for m in members))
         return max(0, rows // len(members) - 1)
+
+    def _verify_lengths(self, fed: list[tuple[Member, Share]]) -> None:
+        """DSpark's one decision for the pass: the draft tokens of all its members, likeliest to
+        survive first, admitted while the pass's expected tokens per second still rise, priced by
+        the pair's measured pass times by rows (``PairCost.pass_s``). A member whose draft has no
+        survival estimates (a sampled call's, a grammar's) is fed whole."""
+        flexible = [(m, s) for m, s in fed if s.survival]
+        if not flexible:
+            return
+        drafted = sum(len(s.survival) for _, s in flexible)
+        fixed = sum(len(s.feed) for _, s in fed) - drafted
+        cached = max(m.cached for m, _ in fed)
+        lengths = batch_lengths(
+            [s.survival for _, s in flexible], fixed, lambda rows: self.cost.pass_s(rows, cached)
+        )
+        for (m, s), n in zip(flexible, lengths):
+            if n < len(s.survival):
+                self.stats.trimmed += len(s.survival) - n
+                m.trim(s, n)
 
     def _shares(self, members: list[Member], chunk: int | None) -> list:
         """Each member's share of the pass (or the exception its drafting raised)."""

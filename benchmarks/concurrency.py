@@ -14,8 +14,10 @@ prompt), so replies compare as text. The systems run one after another, each alo
 
 - ``inprocess``: K threads calling ``ChatSpecDecode.invoke`` on one pair in this process, whose
   scheduler shares its passes among them (``scheduler``: passes, member shares and rows over the run);
-  ``sequential``: the same K sessions one after another. A fresh pair for each K, so no K reads what
-  an earlier one left in its caches.
+  ``sequential``: the same K sessions one after another; ``inprocess_off``: at once with speculation
+  off; ``inprocess_unscheduled``: at once, each call drafting as it would alone (the scheduler's
+  ``schedule_drafts`` off: no shared verify lengths; ``scheduler.trimmed`` counts the draft tokens a
+  shared pass left out). A fresh pair for each K, so no K reads what an earlier one left in its caches.
 - ``single``: one ``agentspec serve`` on every CPU; ``fleet_hash`` / ``fleet_rr``: 2 workers of one CPU
   each behind vllm-router, consistent hashing / round robin (``placement``: each session's workers,
   from the router's log; ``requests_per_worker``: from each worker's /metrics).
@@ -63,9 +65,19 @@ from typing import Any
 
 from benchmarks import harness, workloads
 
+# the in-process systems: their description, and what differs from ChatSpecDecode's defaults (the
+# chat model's fields; "schedule_drafts": the pair's scheduler's)
+IN_PROCESS: dict[str, tuple[str, dict[str, Any]]] = {
+    "inprocess": ("K threads on one in-process pair (ChatSpecDecode), its scheduler sharing passes", {}),
+    "inprocess_off": ("the same with speculation off (drafter 'none')", {"drafter": "none"}),
+    "inprocess_unscheduled": (
+        "the same with each call drafting as alone (no shared verify lengths)",
+        {"schedule_drafts": False},
+    ),
+    "sequential": ("the same K sessions one after another on one in-process pair", {}),
+}
 SYSTEMS = {
-    "inprocess": "K threads on one in-process pair (ChatSpecDecode), its scheduler sharing passes",
-    "sequential": "the same K sessions one after another on one in-process pair",
+    **{name: description for name, (description, _) in IN_PROCESS.items()},
     **harness.SYSTEMS,
 }
 SESSION_PARTS = {  # part: (its systems, its K, the system every turn is compared with)
@@ -79,6 +91,8 @@ GOALS = [
      ">=", 1.0),
     ("k8_inprocess_over_vllm_eagle3_tokens_per_s", 8, "inprocess", "vllm_eagle3", "tokens_per_s", ">=", 1.0),
     ("k8_inprocess_over_sequential_tokens_per_s", 8, "inprocess", "sequential", "tokens_per_s", ">=", 3.0),
+    ("k8_inprocess_over_inprocess_off_tokens_per_s", 8, "inprocess", "inprocess_off", "tokens_per_s",
+     ">=", 1.1),
     ("k8_single_over_inprocess_wall_s", 8, "single", "inprocess", "wall_s", "<=", 1.10),
     ("k1_vllm_spec_over_single", 1, "vllm_spec", "single", "median_session_s", ">=", 1.5),
     ("k8_single_over_fleet_hash", 8, "single", "fleet_hash", "median_session_s", ">=", 1.3),
@@ -123,7 +137,8 @@ def at_once(name: str, k: int, traces, ask, workers: int | None = None) -> tuple
 def scheduler_work(pair, before: dict[str, int] | None = None) -> dict[str, Any]:
     """The scheduler's passes, member shares and rows so far, or since ``before``, and both per pass."""
     stats = pair.scheduler.stats
-    work = {f: getattr(stats, f) - (before or {}).get(f, 0) for f in ("passes", "members", "rows")}
+    fields = ("passes", "members", "rows", "trimmed")
+    work = {f: getattr(stats, f) - (before or {}).get(f, 0) for f in fields}
     per_pass = {f"{f}_per_pass": round(work[f] / work["passes"], 3) if work["passes"] else None
                 for f in ("members", "rows")}  # fmt: skip
     return work | per_pass
@@ -134,16 +149,19 @@ def run_pair(name: str, dtype: str, k: int, n_new: int, traces) -> dict[str, Any
     import agentspec
     from langchain_agentspec import ChatSpecDecode
 
+    options = dict(IN_PROCESS[name][1])
     pair = agentspec.load_pair(dtype=dtype)
-    llm = ChatSpecDecode(pair=pair, max_tokens=n_new)
+    pair.scheduler.schedule_drafts = options.pop("schedule_drafts", pair.scheduler.schedule_drafts)
+    llm = ChatSpecDecode(pair=pair, max_tokens=n_new, **options)
     # first-call costs stay out of the timing (the chat template's first tokens stay in the pair's
     # cache: a first turn reads them, where a server's salted turn reads nothing)
     harness.in_process(llm, [{"role": "user", "content": "Hi"}])
     before = scheduler_work(pair)
     ask = lambda messages, _session: harness.in_process(llm, messages)  # noqa: E731
-    figures, sessions = at_once(name, k, traces, ask, k if name == "inprocess" else 1)
+    figures, sessions = at_once(name, k, traces, ask, 1 if name == "sequential" else k)
     work = scheduler_work(pair, before)
-    return {**figures, "load_factor": pair.scheduler.load_factor, "scheduler": work, "sessions": sessions}
+    settings = {"load_factor": pair.scheduler.load_factor, "schedule_drafts": pair.scheduler.schedule_drafts}
+    return {**figures, **settings, "scheduler": work, "sessions": sessions}
 
 
 def run_server(system: harness.System, model: str, k: int, n_new: int, traces, tokenizer=None) -> dict:
@@ -185,7 +203,7 @@ def measure(names: list[str], ks: list[int], n_new: int, dtype: str, traces, tok
     runs: dict[str, list[dict]] = {}
     skipped: dict[str, str] = {}
     for name in names:
-        if name in ("inprocess", "sequential"):
+        if name in IN_PROCESS:
             runs[name] = [report(name, run_pair(name, dtype, k, n_new, traces)) for k in ks]
             continue
         with harness.running(name, log_dir, dtype) as system:

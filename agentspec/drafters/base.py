@@ -49,7 +49,9 @@ class Drafter:
       the grammar's mask, pushing its tokens onto the constraint's path. Only then does the loop
       pass a constraint; otherwise it fits the draft to the grammar itself, and ``propose`` may
       leave ``constraint`` out of its signature.
-    - ``feedback`` after each verify pass, ``reset`` at the start of a call and after a failure.
+    - ``feedback`` after each verify pass, ``reset`` at the start of a call and after a failure;
+      ``trimmed(n)`` before the pass, when a scheduler verifies only the first ``n`` tokens of the
+      last proposal (its survival estimates said the rest would not pay in a shared pass).
     - ``feature_layers``: the target's features the drafter reads (``agentspec.forward``'s numbering:
       an EAGLE head's layers; () for none); the verify pass then computes them too, and the loop
       hands the verified positions' rows to ``observe_features``; ``context_rows``: how many positions
@@ -82,6 +84,9 @@ class Drafter:
 
     def feedback(self, seq: list[int], n_accepted: int, n_drafted: int) -> None:
         """Called after each verify pass with the new verified sequence."""
+
+    def trimmed(self, n: int) -> None:
+        """Only the first ``n`` tokens of the last proposal are verified (before the pass)."""
 
     def reset(self) -> None:
         """Drop any per-request state (called at the start of a call, and after a failure)."""

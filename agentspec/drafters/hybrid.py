@@ -111,6 +111,7 @@ class HybridDrafter(Drafter):
         self.cost: VerifyCost | None = None
         self.choice: str | None = None  # source of the last proposal
         self._branches: list[float] = []
+        self._acceptance: list[float] = []
         self._group = 0
 
     def _begin(self, greedy: bool) -> None:
@@ -124,8 +125,10 @@ class HybridDrafter(Drafter):
         """The suffix candidate's best prefix: tokens, branch frequencies, match group, yield per cost."""
         cand = self.suffix.candidate(seq, k, use_store=greedy)
         group = match_group(cand.match_len)
-        s = survival([self.calibration(b, group) for b in cand.branches])
+        self._acceptance = [self.calibration(b, group) for b in cand.branches]
+        s = survival(self._acceptance)
         d = best_length(s, self.cost.verify)
+        del self._acceptance[d:]
         return cand.tokens[:d], cand.branches[:d], group, pass_yield(s, d, self.cost.verify, 0.0)
 
     def model_yield(self, k: int) -> float:
@@ -144,7 +147,7 @@ class HybridDrafter(Drafter):
             self._begin(config.greedy)
         tokens, branches, group, y_suffix = self.suffix_draft(seq, k, config.greedy)
         if tokens and y_suffix >= self.model_yield(k):
-            draft, self.choice = Draft(tokens), "suffix"
+            draft, self.choice = Draft(tokens, survival=torch.tensor(self._acceptance)), "suffix"
             self._branches, self._group = branches, group
         elif self.model is not None:
             draft = self.model.draft(seq, k, config, generator, constraint)
@@ -158,7 +161,7 @@ class HybridDrafter(Drafter):
     def feedback(self, seq, n_accepted, n_drafted) -> None:
         if self.cost is not None:
             self.timer.verified(self.cost, n_drafted)
-        if self.choice == "suffix" and n_drafted == len(self._branches):  # else a grammar changed it
+        if self.choice == "suffix" and n_drafted == len(self._branches):  # else a grammar cut it
             self.calibration.observe(self._branches, n_accepted, [self._group] * n_drafted)
         elif self.choice == "model":
             self.model.schedule.observe(n_accepted, n_drafted)
@@ -167,6 +170,12 @@ class HybridDrafter(Drafter):
             self.model.settle(seq, n_accepted if self.choice == "model" else 0)
             self.model.keep_up(seq)  # while the suffix drafts, the draft model must not fall far behind
         self.choice = None
+
+    def trimmed(self, n: int) -> None:
+        if self.choice == "suffix":
+            del self._branches[n:]  # the calibration learns from the positions verified
+        elif self.choice == "model":
+            self.model.trimmed(n)
 
     def reset(self) -> None:
         self.suffix.reset()

@@ -119,7 +119,12 @@ class ModelDrafter(Drafter):
             n = sched.trim() if config.greedy else len(draft.tokens)
             sched.keep(min(n, len(draft.tokens)))
             draft.tokens = draft.tokens[:n]
+            draft.survival = sched.acceptance()
         return draft
+
+    def trimmed(self, n: int) -> None:
+        if self.schedule is not None:
+            self.schedule.keep(n)  # what it verifies is what its calibration learns from
 
     def _logits(self, new: list[int] | PassIds) -> torch.Tensor | None:
         """The next token's logits [V] after feeding ``new`` (None: an EAGLE head had no feature)."""

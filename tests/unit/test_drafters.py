@@ -36,6 +36,7 @@ from agentspec.drafters import (
 )
 from agentspec.drafters.schedule import best_length, survival, worth_extending
 from agentspec.drafters.suffix import SuffixIndex
+from agentspec.scheduler import batch_lengths
 from agentspec.stats import DecodeStats
 from agentspec.telemetry.attributes import source_attributes
 
@@ -149,6 +150,24 @@ def test_survival_and_best_length():
     assert best_length(survival([0.95] * 8), cpu) == 8
     assert best_length([0.3], curve(FLAT)) == 1  # free verification: any chance pays
     assert best_length([0.3], curve(FLAT), draft_step=0.5) == 0  # unless drafting costs
+
+
+def test_batch_lengths_admit_the_likeliest_tokens_while_the_pass_pays():
+    # a pass costs 1 up to 8 rows, then 0.25 more a row: rows are free until the pass computes
+    def pass_s(rows):
+        return 1.0 + 0.25 * max(0, rows - 8)
+
+    sure, unsure = survival([0.9] * 4), survival([0.5] * 4)
+    assert batch_lengths([sure], 1, pass_s) == [4]  # alone, every row is free: all of it
+    assert batch_lengths([sure, unsure], 2, pass_s) == [4, 2]  # 8 rows: then 0.25 buys only S > 0.5
+    # eight members fill the free rows: the pass yields 8 tokens a second, so a row (0.25 s) must
+    # bring 2 tokens, which no draft token can
+    assert batch_lengths([sure] * 8, 8, pass_s) == [0] * 8
+    cheaper = batch_lengths([[0.9, 0.2]] * 8, 8, lambda rows: 1.0 + 0.1 * max(0, rows - 8))
+    assert cheaper == [1] * 8  # at 0.1 s a row the likely tokens pay (15.2 / 1.8 > 8), the rest not
+    assert batch_lengths([[], [0.95]], 2, pass_s) == [0, 1]  # a member without a draft keeps none
+    flat = batch_lengths([unsure] * 8, 8, lambda rows: 1.0)  # a flat curve: every token pays
+    assert flat == [4] * 8
 
 
 def test_worth_extending_projects_the_next_acceptance():

@@ -1,7 +1,9 @@
-"""The schedule's priors per device kind, and pass timings read on the device's clock without waiting."""
+"""The schedule's priors per device kind, pass timings read on the device's clock without waiting, and
+the pair's passes by their rows."""
 
 import time
 
+import pytest
 import torch
 
 from agentspec.cost import (
@@ -9,7 +11,10 @@ from agentspec.cost import (
     CUDA_VERIFY_COST,
     DEFAULT_DRAFT_STEP,
     DEFAULT_VERIFY_COST,
+    PairCost,
+    RowsCurve,
     VerifyCost,
+    rows_bucket,
 )
 from agentspec.drafters.schedule import DeviceClock, PassTimer
 
@@ -72,3 +77,27 @@ def test_a_pairs_verify_cost_starts_from_its_device_priors_and_is_shared_by_its_
     assert pair.cost.verify.prior == DEFAULT_VERIFY_COST  # the tiny target is on the CPU
     # what a pass costs is the pair's, not a tenant's: every namespace's memory prices with it
     assert pair.tenants.memory().cost is pair.cost.verify is pair.tenants.memory("tenant").cost
+
+
+def test_a_pairs_pass_time_by_rows_is_measured_where_seen_and_shaped_by_its_prior_beyond():
+    curve = RowsCurve(min_samples=2)
+    for seconds in (1.0, 3.0, 2.0):  # one slow pass among them: the median holds
+        curve.observe(1, seconds / 100)
+    curve.observe(8, 0.05)
+    assert curve.points() == [(1, 0.02)]  # 8 rows seen once: not enough
+    curve.observe(8, 0.04)
+    assert curve.points() == [(1, 0.02), (8, 0.045)]
+    curve.observe(4, 0.01)
+    curve.observe(4, 0.01)  # cheaper than one row: noise, pooled with it by their passes (3 and 2)
+    assert [n for n, _ in curve.points()] == [1, 4, 8]
+    assert [t for _, t in curve.points()] == pytest.approx([0.016, 0.016, 0.045])
+    assert rows_bucket(64) == 64 and rows_bucket(65) == 128 and rows_bucket(300) == 512
+
+    cost = PairCost("cpu")
+    priced = [cost.pass_s(n, 0) for n in (1, 4, 8)]
+    assert priced == [cost.priced_s(n, 0) for n in (1, 4, 8)]  # nothing measured yet
+    for _ in range(3):
+        cost.observe_rows(1, 0.01)
+        cost.observe_rows(4, 0.02)
+    assert cost.pass_s(2, 0) == pytest.approx(0.01 + 0.01 / 3)  # between measured row counts
+    assert cost.pass_s(8, 0) == pytest.approx(0.02 * priced[2] / priced[1])  # beyond: the prior's shape

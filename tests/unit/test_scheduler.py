@@ -23,6 +23,7 @@ from agentspec import Draft, ModelPair
 from agentspec import grammar as G
 from agentspec.attention import use_grouped_sdpa
 from agentspec.cache import PrefixCache
+from agentspec.cost import DEFAULT_VERIFY_COST
 from agentspec.decode import DecodeTimeout
 from agentspec.drafters import Drafter
 from agentspec.memory import DeviceOutOfMemory
@@ -98,7 +99,7 @@ def test_concurrent_greedy_calls_equal_their_solo_decoding_in_shared_passes(bpai
     drafters = ["model", "prompt_lookup", "none", "suffix", "auto"]
     chosen = cases[:k]
     s = bpair.scheduler.stats
-    passes0, members0 = s.passes, s.members
+    passes0, members0, timed0 = s.passes, s.members, bpair.cost.rows.observed
     forwards = []
     # every forward of the target, lean or transformers', embeds its rows once
     hook = bpair.target.get_input_embeddings().register_forward_hook(lambda *_: forwards.append(1))
@@ -120,6 +121,7 @@ def test_concurrent_greedy_calls_equal_their_solo_decoding_in_shared_passes(bpai
     # one target forward per pass, and the passes were shared
     assert len(forwards) == s.passes - passes0
     assert s.members - members0 > s.passes - passes0
+    assert bpair.cost.rows.observed - timed0 == s.passes - passes0  # each pass timed with all its rows
 
 
 def test_a_call_joining_and_one_leaving_mid_decode_change_nothing(bpair, cases, hf_greedy):
@@ -316,6 +318,36 @@ def test_under_load_each_call_drafts_within_its_part_of_the_row_budget(bpair, ca
     assert all(step.drafted <= 1 for s in first for step in s[1:])
     alone = list(agentspec.stream(bpair, chosen[0][0], "model", False, max_new_tokens=N_NEW))
     assert max(step.drafted for step in alone) > 1  # alone, the same call drafts more: the budget bound it
+
+
+@pytest.mark.parametrize("drafter", ["auto", "model_scheduled"])
+def test_a_shared_pass_verifies_the_drafts_likely_to_survive_and_changes_no_reply(
+    bpair, cases, monkeypatch, drafter
+):
+    """Where rows cost more than their drafts are likely to bring, the scheduler cuts the drafts of a
+    shared pass to their likeliest prefixes; each reply stays its solo decoding."""
+    scheduler = bpair.scheduler
+    assert scheduler.schedule_drafts
+    monkeypatch.setattr(scheduler.cost, "pass_s", lambda rows, cached: 1.0 + 0.3 * rows)
+    # each drafter's own view of a pass: the CPU prior, not what earlier tests' shared passes taught
+    monkeypatch.setattr(scheduler.cost.verify, "curve", lambda: DEFAULT_VERIFY_COST)
+    monkeypatch.setattr(scheduler.cost.verify, "draft_times", [])
+    chosen = cases[:4]
+    trimmed0, steps = scheduler.stats.trimmed, [[] for _ in chosen]
+
+    def streamed(i: int, prompt: list[int]):
+        # a namespace of its own: calibrations that earlier tests taught would bench the draft model
+        options = {"namespace": f"trim-{drafter}", "max_new_tokens": N_NEW}
+        steps[i] = list(agentspec.stream(bpair, prompt, drafter, False, **options))
+        return [t for s in steps[i] for t in s.tokens]
+
+    results = start_together(bpair, [lambda i=i, p=p: streamed(i, p) for i, (p, _) in enumerate(chosen)])
+    for (prompt, want), got in zip(chosen, results):
+        assert_same(bpair.target, prompt, got, want)
+    assert scheduler.stats.trimmed > trimmed0
+    trimmed0 = scheduler.stats.trimmed
+    assert streamed(0, chosen[0][0]) == chosen[0][1]
+    assert scheduler.stats.trimmed == trimmed0  # a call alone drafts as its own schedule says
 
 
 def test_a_pass_of_several_calls_reads_the_device_once(bpair, cases):
