@@ -55,7 +55,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -403,16 +403,26 @@ class PairCost:
         self.rows.observe(rows, seconds)
 
     def pass_s(self, rows: int, cached: int) -> float:
-        """Seconds of one target pass over ``rows`` new rows after ``cached`` ones: the rows curve the
-        scheduler measured where it covers ``rows``; past its ends, its nearest point scaled by the
-        priced curve's shape; with no measured point, the priced curve itself (``priced_s``)."""
+        """Seconds of one target pass over ``rows`` new rows after ``cached`` ones (``pricer``)."""
+        return self.pricer(cached)(rows)
+
+    def pricer(self, cached: int) -> Callable[[int], float]:
+        """Seconds of a pass by its rows after ``cached`` positions, the measured curve read once: the
+        rows curve the scheduler measured where it covers the rows; past its ends, its nearest point
+        scaled by the priced curve's shape; with no measured point, the priced curve (``priced_s``)."""
         points = self.rows.points()
         if not points:
-            return self.priced_s(rows, cached)
-        if points[0][0] <= rows <= points[-1][0]:
-            return interpolate(points, rows)
-        at, seconds = points[0] if rows < points[0][0] else points[-1]
-        return seconds * self.priced_s(rows, cached) / self.priced_s(at, cached)
+            return lambda rows: self.priced_s(rows, cached)
+        low, high = points[0], points[-1]
+        low_s, high_s = self.priced_s(low[0], cached), self.priced_s(high[0], cached)
+
+        def seconds(rows: int) -> float:
+            if low[0] <= rows <= high[0]:
+                return interpolate(points, rows)
+            (at, measured), priced = (low, low_s) if rows < low[0] else (high, high_s)
+            return measured * self.priced_s(rows, cached) / priced
+
+        return seconds
 
     def priced_s(self, rows: int, cached: int) -> float:
         """A pass priced from the latency curve: a prefill's from ``MIN_PREFILL_SAMPLE`` rows, else

@@ -406,10 +406,10 @@ class _Pass:
     tap: tuple[int, ...] = ()  # the target's features its drafter reads (an EAGLE head's layers)
     chunk: bool = False  # a chunk of the prompt only, fed beside other calls' rows: no logits, no Step
     scored: bool = False  # the call asked for log-probabilities: the forced tokens' rows are kept too
-    # S_1 >= S_2 >= ...: the chance that the draft's first i tokens all survive, where a scheduler may
-    # verify a prefix of the draft only (a greedy or seeded call's, drafted without a grammar); None:
-    # the draft is verified whole
-    survival: list[float] | None = None
+    # [k]: each draft token's estimated acceptance given those before it, where a scheduler may verify
+    # a prefix of the draft only (a greedy or seeded call's, drafted without a grammar); None: the draft
+    # is verified whole
+    acceptance: torch.Tensor | None = None
 
     @property
     def keep(self) -> int:
@@ -421,11 +421,17 @@ class _Pass:
         forced = len(self.forced) if self.scored else 0
         return forced + (len(self.tokens) + 1 if self.verified else 0)
 
+    @property
+    def survival(self) -> list[float] | None:
+        """S_1 >= S_2 >= ...: the chance that the draft's first i tokens all survive (read only by a
+        scheduler sharing the pass: on a GPU, a head's estimates reach the host here)."""
+        return None if self.acceptance is None else survival(self.acceptance.tolist())
+
     def trim(self, n: int) -> None:
         """Verify only the draft's first ``n`` tokens (a shorter deterministic draft is just another
         draft: the output is the same)."""
         self.tokens = self.tokens[:n]
-        self.survival = self.survival[:n]
+        self.acceptance = self.acceptance[:n]
         self.feed = PassIds(self.feed.host, self.feed.device[:n])
 
 
@@ -469,7 +475,7 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
         p.feed = PassIds(pending + forced, d)
         p.tap = call.drafter.feature_layers if call.drafter is not None else ()
         if acceptance is not None and len(tokens) and not sampled:
-            p.survival = survival(acceptance.tolist())  # a host read of a head's estimates on a GPU
+            p.acceptance = acceptance
     return p
 
 

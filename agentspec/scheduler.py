@@ -386,20 +386,17 @@ class Scheduler:
     def _verify_lengths(self, fed: list[tuple[Member, Share]]) -> None:
         """DSpark's one decision for the pass: the draft tokens of all its members, likeliest to
         survive first, admitted while the pass's expected tokens per second still rise, priced by
-        the pair's measured pass times by rows (``PairCost.pass_s``). A member whose draft has no
+        the pair's measured pass times by rows (``PairCost.pricer``). A member whose draft has no
         survival estimates (a sampled call's, a grammar's) is fed whole."""
-        flexible = [(m, s) for m, s in fed if s.survival]
+        flexible = [(m, s, est) for m, s in fed if (est := s.survival)]
         if not flexible:
             return
-        drafted = sum(len(s.survival) for _, s in flexible)
-        fixed = sum(len(s.feed) for _, s in fed) - drafted
-        cached = max(m.cached for m, _ in fed)
-        lengths = batch_lengths(
-            [s.survival for _, s in flexible], fixed, lambda rows: self.cost.pass_s(rows, cached)
-        )
-        for (m, s), n in zip(flexible, lengths):
-            if n < len(s.survival):
-                self.stats.trimmed += len(s.survival) - n
+        fixed = sum(len(s.feed) for _, s in fed) - sum(len(est) for _, _, est in flexible)
+        price = self.cost.pricer(max(m.cached for m, _ in fed))
+        lengths = batch_lengths([est for _, _, est in flexible], fixed, price)
+        for (m, s, est), n in zip(flexible, lengths):
+            if n < len(est):
+                self.stats.trimmed += len(est) - n
                 m.trim(s, n)
 
     def _shares(self, members: list[Member], chunk: int | None) -> list:

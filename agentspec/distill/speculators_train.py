@@ -70,6 +70,11 @@ def features(target, ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor
     return aux.to(torch.bfloat16).cpu(), captured["last"][0].to(torch.bfloat16).cpu()
 
 
+def first_row(item: dict, context: int) -> int:
+    """Where an example enters the head's sequence: ``context`` tokens before its response."""
+    return max(0, item["prompt"] - context)
+
+
 class Features:
     """The target's features of each example (``aux``, ``last``), from its ``first`` row: its
     ``--prompt-context`` tokens before the response (the prefill covers the whole example; the rows
@@ -91,7 +96,7 @@ class Features:
         for item in items:
             if "aux" in item:
                 continue
-            item["first"] = max(0, item["prompt"] - self.context)
+            item["first"] = first_row(item, self.context)
             key = hashlib.sha1(item["ids"].numpy().tobytes()).hexdigest()
             if f"{key}.aux" in self.stored:
                 self.reused += 1
@@ -138,7 +143,7 @@ def batches(items: list[dict], budget: int, context: int, rng: random.Random) ->
     rng.shuffle(order)
     out, cur, size = [], [], 0
     for item in order:
-        n = min(len(item["ids"]) - max(0, item["prompt"] - context), budget)
+        n = min(len(item["ids"]) - first_row(item, context), budget)
         if cur and size + n > budget:
             out.append(cur)
             cur, size = [], 0

@@ -111,7 +111,6 @@ class HybridDrafter(Drafter):
         self.cost: VerifyCost | None = None
         self.choice: str | None = None  # source of the last proposal
         self._branches: list[float] = []
-        self._acceptance: list[float] = []
         self._group = 0
 
     def _begin(self, greedy: bool) -> None:
@@ -121,15 +120,16 @@ class HybridDrafter(Drafter):
         if self.model is not None:
             self.model.schedule.begin(greedy, self.cost)
 
-    def suffix_draft(self, seq: list[int], k: int, greedy: bool) -> tuple[list[int], list[float], int, float]:
-        """The suffix candidate's best prefix: tokens, branch frequencies, match group, yield per cost."""
+    def suffix_draft(self, seq: list[int], k: int, greedy: bool) -> tuple[Draft, list[float], int, float]:
+        """The suffix candidate's best prefix: the draft (its calibrated acceptances as its survival
+        estimates), branch frequencies, match group, yield per cost."""
         cand = self.suffix.candidate(seq, k, use_store=greedy)
         group = match_group(cand.match_len)
-        self._acceptance = [self.calibration(b, group) for b in cand.branches]
-        s = survival(self._acceptance)
+        acceptance = [self.calibration(b, group) for b in cand.branches]
+        s = survival(acceptance)
         d = best_length(s, self.cost.verify)
-        del self._acceptance[d:]
-        return cand.tokens[:d], cand.branches[:d], group, pass_yield(s, d, self.cost.verify, 0.0)
+        draft = Draft(cand.tokens[:d], survival=torch.tensor(acceptance[:d]))
+        return draft, cand.branches[:d], group, pass_yield(s, d, self.cost.verify, 0.0)
 
     def model_yield(self, k: int) -> float:
         """Expected tokens per unit cost of a model draft now (0: no draft model)."""
@@ -145,9 +145,9 @@ class HybridDrafter(Drafter):
     ) -> Draft:
         if self.calibration is None:
             self._begin(config.greedy)
-        tokens, branches, group, y_suffix = self.suffix_draft(seq, k, config.greedy)
-        if tokens and y_suffix >= self.model_yield(k):
-            draft, self.choice = Draft(tokens, survival=torch.tensor(self._acceptance)), "suffix"
+        suffix, branches, group, y_suffix = self.suffix_draft(seq, k, config.greedy)
+        if suffix.tokens and y_suffix >= self.model_yield(k):
+            draft, self.choice = suffix, "suffix"
             self._branches, self._group = branches, group
         elif self.model is not None:
             draft = self.model.draft(seq, k, config, generator, constraint)

@@ -328,7 +328,7 @@ def test_a_shared_pass_verifies_the_drafts_likely_to_survive_and_changes_no_repl
     shared pass to their likeliest prefixes; each reply stays its solo decoding."""
     scheduler = bpair.scheduler
     assert scheduler.schedule_drafts
-    monkeypatch.setattr(scheduler.cost, "pass_s", lambda rows, cached: 1.0 + 0.3 * rows)
+    monkeypatch.setattr(scheduler.cost, "pricer", lambda cached: lambda rows: 1.0 + 0.3 * rows)
     # each drafter's own view of a pass: the CPU prior, not what earlier tests' shared passes taught
     monkeypatch.setattr(scheduler.cost.verify, "curve", lambda: DEFAULT_VERIFY_COST)
     monkeypatch.setattr(scheduler.cost.verify, "draft_times", [])
