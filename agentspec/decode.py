@@ -46,7 +46,7 @@ from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, re
 from agentspec.models import ModelPair
 from agentspec.packed import Read, Verdict, read_verdicts
 from agentspec.sampling import keyed_scores, make_generator, probabilities
-from agentspec.scheduler import LOOKAHEAD
+from agentspec.scheduler import LOOKAHEAD, Member
 from agentspec.stats import DecodeStats
 from agentspec.text import TextTracker
 from agentspec.threads import release_pool
@@ -768,8 +768,10 @@ class _Member:
     """One call as a member of its pair's scheduler (``agentspec.scheduler.Member``): its state, and
     the Steps on their way from the scheduler's thread to the caller's (``steps``)."""
 
-    def __init__(self, pair: ModelPair, call: _Call, cancelled: threading.Event | None):
-        self.pair, self.call, self.cancelled = pair, call, cancelled
+    def __init__(
+        self, pair: ModelPair, call: _Call, cancelled: threading.Event | None, namespace: str | None
+    ):
+        self.pair, self.call, self.cancelled, self.namespace = pair, call, cancelled, namespace
         self.target = call.target
         self.free_memory = call.free_memory
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # Steps, then a last Step or an error
@@ -791,6 +793,21 @@ class _Member:
 
     def draft_state(self) -> ModelState | None:
         return self.call.drafter.kv_state() if self.call.drafter is not None else None
+
+    def wanted(self) -> list[int]:
+        if not self.prefilling:
+            return []
+        # a head recomputes its last context rows for their features, as after a restore (``_restore``)
+        d = self.call.drafter
+        return self.call.seq[: len(self.call.seq) - 1 - (d.context_rows if d is not None else 0)]
+
+    def take_rows(self, donor: Member, end: int) -> int:
+        taken = self.target.take_rows(donor.target, end)
+        stats = self.call.stats
+        stats.cached_tokens += taken
+        stats.prefill_tokens -= taken
+        stats.shared_prefix_tokens += taken
+        return taken
 
     def share(self, chunk: int | None, cap: int | None) -> _Pass:
         self._at = len(self.call.target.ids)  # where a pass that fails before its landing rolls back to
@@ -918,7 +935,7 @@ def stream(
         free = cache.clear if cache is not None else None
         call = _begin(pair, ids, config, d, target, grammar, free, deadline)
         call.stats.draft_cooldown = resting
-        member = _Member(pair, call, cancelled)
+        member = _Member(pair, call, cancelled, namespace)
         scheduler.add(member)
     release_pool()  # the restore's pool: from here this thread waits on the pass thread (agentspec.threads)
     ended = False  # finished, or closed by the caller: not failed

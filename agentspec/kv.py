@@ -306,6 +306,28 @@ class ModelState:
     def segments(self, length: int) -> Segments:
         return cache_segments(self.cache, length)
 
+    @torch.inference_mode()
+    def take_rows(self, other: ModelState, end: int) -> int:
+        """Copy ``other``'s keys and values of positions ``len(self.ids)`` to ``end`` instead of
+        computing them, where ``other.ids[:end]`` continues this state's ids (the caller compared
+        them: the same tokens after the same prefix have the same rows). Returns how many were
+        taken: none where either state keeps other than plain keys and values, or they are of two
+        models. A copy that fails (out of memory) leaves this state as it was, and raises."""
+        start = len(self.ids)
+        if end <= start or self.unread or other.model is not self.model:
+            return 0
+        if not (self.reusable and other.reusable) or end > len(other.ids):
+            return 0
+        try:
+            for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+                mine.update(theirs.keys[:, :, start:end], theirs.values[:, :, start:end])
+        except BaseException:
+            self._roll_back(start)
+            raise
+        self.ids.extend(other.ids[start:end])
+        self.check()
+        return end - start
+
     def take(self, state: ModelState) -> ModelState:
         """The state to continue from after a prefix-cache restore gave ``state``: that one itself
         (a preallocated ``StaticState`` copies it into its own buffers instead)."""

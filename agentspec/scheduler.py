@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentspec.cost import PairCost
-from agentspec.kv import ModelState, PassIds
+from agentspec.kv import ModelState, PassIds, common_prefix_len
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
 from agentspec.packed import Read, Rendezvous, Verdict, forward_packed, packable, read_verdicts
 from agentspec.threads import release_pool
@@ -55,6 +55,9 @@ PREFILL_CHUNK = 512  # any other device
 # alone cannot see. Set ``Scheduler.load_factor`` to bound them.
 LOAD_FACTOR: float | None = None
 SCHEDULE_DRAFTS = True  # a shared pass verifies the drafts likely to survive (``_verify_lengths``)
+SHARE_PROMPTS = (
+    True  # a prompt's rows another running call holds are copied, not computed (``_share_prompts``)
+)
 
 
 class Share(Protocol):
@@ -78,6 +81,7 @@ class Member(Protocol):
 
     target: ModelState  # the target's state its shares are fed into
     free_memory: Callable[[], None] | None  # frees memory before a forward is retried
+    namespace: str | None  # its tenant: calls share the rows of their prompts within one only
 
     @property
     def priority(self) -> int:
@@ -96,6 +100,16 @@ class Member(Protocol):
     @property
     def cached(self) -> int:
         """Positions the target's state holds for it (what its rows attend to)."""
+        ...
+
+    def wanted(self) -> list[int]:
+        """While it prefills: the prompt ids its target is to hold before its first full pass, which
+        it may copy from another call's state instead of computing them (else [])."""
+        ...
+
+    def take_rows(self, donor: Member, end: int) -> int:
+        """Copy ``donor``'s target rows up to position ``end`` (``donor.target.ids[:end]`` is a prefix
+        of ``wanted()``) instead of computing them; returns how many it took."""
         ...
 
     def draft_state(self) -> ModelState | None:
@@ -138,6 +152,8 @@ class SchedulerStats:
     rows: int = 0  # tokens fed over all those forwards
     members: int = 0  # member shares over all those forwards (members per pass = members / passes)
     trimmed: int = 0  # draft tokens drafted but not verified: their rows did not pay in a shared pass
+    shared: int = 0  # prompt rows copied from another running call's state, not computed
+    deferred: int = 0  # member shares that sat out a pass to copy, at the next, rows another computes
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (members, rows) of recent passes
 
 
@@ -216,12 +232,14 @@ class Scheduler:
         batch_drafts: bool = True,
         load_factor: float | None = LOAD_FACTOR,
         schedule_drafts: bool = SCHEDULE_DRAFTS,
+        share_prompts: bool = SHARE_PROMPTS,
     ):
         self.lock = lock  # the pair's: held for each pass, and by callers joining or leaving
         self.cost = cost  # the pair's: what a pass of so many rows costs (``draft_cap``)
         self.prefill_chunk = prefill_chunk
         self.load_factor = load_factor  # None: members draft as alone, whatever the load
         self.schedule_drafts = schedule_drafts  # each shared pass verifies what will likely survive
+        self.share_prompts = share_prompts  # a prompt's rows held by another call are copied, not computed
         # members draft in threads of their own, a draft model's steps shared (``packed.Rendezvous``);
         # False where drafters share one draft state (``ModelPair.draft_cache`` static or compiled)
         self.batch_drafts = batch_drafts
@@ -316,6 +334,8 @@ class Scheduler:
                     self._fail(m, exc)
 
     def _pass(self, members: list[Member]) -> None:
+        if self.share_prompts:
+            members = self._share_prompts(members)
         chunk = self.prefill_chunk if len(members) > 1 else None
         shares = []
         for m, share in zip(members, self._shares(members, chunk)):
@@ -398,6 +418,66 @@ class Scheduler:
             if n < len(est):
                 self.stats.trimmed += len(est) - n
                 m.trim(s, n)
+
+    def _share_prompts(self, members: list[Member]) -> list[Member]:
+        """A prompt's rows computed once in flight, as SGLang's in-batch prefix sharing: each member
+        still prefilling first copies the rows of its prompt that a running call of its namespace
+        holds (``_take_rows``); of members whose next prompt rows are the same tokens, the first
+        computes them and the others sit this pass out, to copy them at the next. A member sits out
+        only where what it would copy is at least half the rows it would compute (a chunk, or the
+        rest of its prompt), so a prompt that shares a few tokens does not lose a pass for them.
+        Returns the members that take part in the pass."""
+        prefilling = [m for m in members if m.prefilling]
+        if not prefilling:
+            return members
+        computing: list[tuple[Member, list[int]]] = []  # members feeding prompt rows, and their wanted
+        waiting: set[int] = set()
+        for m in prefilling:
+            wanted = m.wanted()
+            self._take_rows(m, wanted)
+            at = m.cached
+            own = min(len(wanted) - at, self.prefill_chunk)  # rows it would compute this pass
+            if own <= 0:
+                continue
+            lead = next(
+                (
+                    ids
+                    for other, ids in computing
+                    if other.namespace == m.namespace
+                    and other.cached == at
+                    and 2 * (common_prefix_len(ids, wanted, at) - at) >= own
+                ),
+                None,
+            )
+            if lead is None:
+                computing.append((m, wanted))
+            else:
+                waiting.add(id(m))
+        self.stats.deferred += len(waiting)
+        return [m for m in members if id(m) not in waiting]
+
+    def _take_rows(self, member: Member, wanted: list[int]) -> None:
+        """Copy into ``member`` the longest run of ``wanted`` past what it holds that a running call
+        of its namespace holds."""
+        at = member.cached
+        if at >= len(wanted):
+            return
+        donor, end = None, at
+        for other in self.running:
+            ids = other.target.ids
+            if other is member or other.namespace != member.namespace or len(ids) <= end:
+                continue
+            if ids[at] != wanted[at]:  # it shares nothing past ``at``: no need to compare the rest
+                continue
+            n = min(common_prefix_len(ids, wanted), len(wanted))
+            if n > end:
+                donor, end = other, n
+        if donor is None:
+            return
+        try:
+            self.stats.shared += member.take_rows(donor, end)
+        except Exception:  # the member computes them instead: a copy only saves work
+            log.warning("copying %d prompt rows from another call failed", end - at, exc_info=True)
 
     def _shares(self, members: list[Member], chunk: int | None) -> list:
         """Each member's share of the pass (or the exception its drafting raised)."""

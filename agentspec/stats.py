@@ -25,8 +25,10 @@ from dataclasses import asdict, dataclass, field
 class DecodeStats:
     drafter: str | None = None  # name of the drafter used (None: plain decoding)
     prompt_tokens: int = 0  # tokens in the request
-    cached_tokens: int = 0  # prompt tokens whose KV state was restored, not recomputed
+    cached_tokens: int = 0  # prompt tokens whose KV state was restored or shared, not recomputed
     prefill_tokens: int = 0  # prompt tokens the target computed in this call
+    # of cached_tokens, those copied from another call running beside it, which computed them
+    shared_prefix_tokens: int = 0
     # prompt tokens this call newly wrote into the prefix cache (part of prompt_tokens; the output
     # it wrote is not counted). Set when the call's state is saved: after its last Step was yielded
     cache_creation_tokens: int = 0

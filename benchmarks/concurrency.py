@@ -5,6 +5,7 @@
     python -m benchmarks concurrency --part fleet      # single, fleet_hash, fleet_rr and vLLM
     python -m benchmarks concurrency --part join [--chunks 0,256,64,32] [--prompt-tokens 4000] [--calls 4]
     python -m benchmarks concurrency --part batch [--prompts 8] [--rounds 2]
+    python -m benchmarks concurrency --part shared_prompt [--calls 8] [--rounds 2]
 
 ``sessions`` (the default; an hour or more on 2 CPU cores) and ``fleet`` (20-30 minutes): K sessions
 at once replay the agent traces turn by turn (``workloads.sessions``: session i replays trace i mod 5,
@@ -45,6 +46,13 @@ output equals the same call alone.
 scheduler shares its passes among them) against the same prompts invoked one after another, a fresh
 pair each, rounds alternating which goes first; greedy, every batched reply compared with its
 sequential one.
+
+``shared_prompt``: ``--calls`` agent calls start together with one system prompt (``INVENTORY_1``'s,
+its tools included) and a question each, greedy, on a fresh pair per mode, rounds alternating which
+goes first: ``shared`` (the scheduler copies a prompt's rows another call holds, ``share_prompts``),
+``unshared`` (each computes its own) and ``one_after_another`` (the solo replies). Per mode: wall
+time, the rows copied, and ``prefix_rows_computed``: the rows of the calls' common prefix the target
+computed (once: the common prefix less what the prefix cache held; unshared: once per call).
 
 Writes ``results/concurrency.json`` (one key per part) and ``concurrency_<part>.png`` for the sessions.
 """
@@ -385,7 +393,7 @@ def join_part(args) -> dict[str, Any]:
 
     pair = agentspec.load_pair(dtype=args.dtype)
     n_new = args.max_new_tokens or 64
-    prompts = [question_ids(pair, q) for q in workloads.QUESTIONS[: args.calls]]
+    prompts = [question_ids(pair, q) for q in workloads.QUESTIONS[: args.calls or 4]]
     joiner = long_prompt(pair, args.prompt_tokens)
     alone = [agentspec.generate(pair, p, None, False, max_new_tokens=n_new).token_ids for p in prompts]
     runs = {}
@@ -402,7 +410,7 @@ def join_part(args) -> dict[str, Any]:
     return {
         "benchmark": "a long prompt joining decoding calls, per prefill chunk size",
         "environment": harness.environment(pair),
-        "calls": args.calls,
+        "calls": len(prompts),
         "prompt_tokens": len(joiner),
         "max_new_tokens": n_new,
         "runs": runs,
@@ -456,7 +464,101 @@ def batch_part(args) -> dict[str, Any]:
     }
 
 
-PARTS = {"sessions": sessions_part, "fleet": sessions_part, "join": join_part, "batch": batch_part}
+# --- calls starting together with one system prompt -------------------------------------------------
+
+SHARED_MODES = {  # mode: (the calls at once, the scheduler's share_prompts)
+    "shared": (True, True),
+    "unshared": (True, False),
+    "one_after_another": (False, True),
+}
+
+
+def one_system_prompt(mode: str, k: int, dtype: str, n_new: int) -> dict[str, Any]:
+    """k agent calls with ``INVENTORY_1``'s system prompt (its tools included) and a question each,
+    at once or one after another, on a fresh pair: wall time, each call's prompt and cached tokens
+    (restored or copied from a call beside it), the rows the scheduler copied, the replies."""
+    import agentspec
+    from langchain_agentspec import ChatSpecDecode
+
+    together, share = SHARED_MODES[mode]
+    pair = agentspec.load_pair(dtype=dtype)
+    pair.scheduler.share_prompts = share
+    llm = ChatSpecDecode(pair=pair, max_tokens=n_new)
+    harness.in_process(llm, [{"role": "user", "content": "Hi"}])  # first-call costs out of the timing
+    system = {"role": "system", "content": workloads.INVENTORY_1.system}
+    histories = [[system, {"role": "user", "content": q}] for q in workloads.QUESTIONS[:k]]
+    before, shared0 = scheduler_work(pair), pair.scheduler.stats.shared
+    start = time.perf_counter()
+    with ThreadPoolExecutor(k if together else 1) as pool:
+        turns = list(pool.map(lambda m: harness.in_process(llm, m), histories))
+    wall = time.perf_counter() - start
+    prompts = [agentspec_prompt(pair, m) for m in histories]
+    assert [len(p) for p in prompts] == [t["prompt_tokens"] for t in turns], "the chat model's prompts differ"
+    return {
+        "wall_s": round(wall, 3),
+        "median_call_s": round(statistics.median(t["seconds"] for t in turns), 3),
+        "common_prefix_tokens": common_prefix(prompts),
+        "shared_rows": pair.scheduler.stats.shared - shared0,
+        "scheduler": scheduler_work(pair, before),
+        "turns": turns,
+    }
+
+
+def agentspec_prompt(pair, messages: list[dict]) -> list[int]:
+    from agentspec.bench.conversation import prompt_ids
+
+    return prompt_ids(pair.tokenizer, messages)
+
+
+def common_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens every prompt shares."""
+    n = min(len(p) for p in prompts)
+    return next((i for i in range(n) if len({p[i] for p in prompts}) > 1), n)
+
+
+def prefix_rows_computed(run: dict[str, Any]) -> int:
+    """The rows of the calls' common prefix the target computed over the run: each call computes
+    the part of it past its cached tokens (restored or copied come first in a prompt)."""
+    common = run["common_prefix_tokens"]
+    return sum(max(0, common - t["cached_tokens"]) for t in run["turns"])
+
+
+def shared_prompt_part(args) -> dict[str, Any]:
+    import agentspec
+
+    k, n_new = args.calls or 8, args.max_new_tokens or 32
+    rounds: list[dict] = []
+    for r in range(args.rounds):
+        row = {
+            mode: one_system_prompt(mode, k, args.dtype, n_new)
+            for mode in harness.rotated(list(SHARED_MODES), r)
+        }
+        solo = [t["text"] for t in row["one_after_another"]["turns"]]
+        for mode, run in row.items():
+            run["prefix_rows_computed"] = prefix_rows_computed(run)
+            run["replies_as_one_after_another"] = [t["text"] for t in run["turns"]] == solo
+            print(mode, {f: v for f, v in run.items() if f != "turns"}, flush=True)
+        row["unshared_over_shared_wall"] = row["unshared"]["wall_s"] / row["shared"]["wall_s"]
+        rounds.append(row)
+    return {
+        "benchmark": f"{k} agent calls starting together with one system prompt: its rows computed once",
+        "environment": harness.environment(agentspec.load_pair(dtype=args.dtype)),
+        "max_tokens": n_new,
+        "rounds": rounds,
+        "median_unshared_over_shared_wall": statistics.median(r["unshared_over_shared_wall"] for r in rounds),
+        "all_replies_identical": all(
+            run["replies_as_one_after_another"] for r in rounds for run in r.values() if isinstance(run, dict)
+        ),
+    }
+
+
+PARTS = {
+    "sessions": sessions_part,
+    "fleet": sessions_part,
+    "join": join_part,
+    "batch": batch_part,
+    "shared_prompt": shared_prompt_part,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,11 +573,11 @@ def main(argv: list[str] | None = None) -> int:
     join = ap.add_argument_group("join")
     join.add_argument("--chunks", default="0,256,64,32", help="prefill chunk sizes (0: no chunking)")
     join.add_argument("--prompt-tokens", type=int, default=4000)
-    join.add_argument("--calls", type=int, default=4)
+    join.add_argument("--calls", type=int, help="calls at once (default: 4; shared_prompt 8)")
     join.add_argument("--warm", type=int, default=8, help="tokens each call has when the long prompt joins")
     batch = ap.add_argument_group("batch")
     batch.add_argument("--prompts", type=int, default=8)
-    batch.add_argument("--rounds", type=int, default=2)
+    batch.add_argument("--rounds", type=int, default=2, help="(shared_prompt too)")
     args = ap.parse_args(argv)
     harness.set_threads(args.threads)
     harness.write(args.out, PARTS[args.part](args), part=args.part)

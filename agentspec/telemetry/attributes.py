@@ -114,6 +114,8 @@ ACCEPTED_PER_POSITION = "agentspec.accepted_per_position"  # [i]: passes whose d
 DRAFTED_PER_POSITION = "agentspec.drafted_per_position"  # [i]: passes that drafted a token at position i
 PREFIX_TOKENS_RESTORED = "agentspec.prefix_cache.restored_tokens"  # = cache_read.input_tokens
 PREFILL_TOKENS = "agentspec.prefill_tokens"  # prompt tokens the target computed in this call
+# of the restored tokens, those copied from a call running beside it (``scheduler._share_prompts``)
+PREFIX_TOKENS_SHARED = "agentspec.prefix_cache.shared_tokens"
 TIME_TO_FIRST_TOKEN = "agentspec.time_to_first_token_s"  # from the call's start (cache restore included)
 DECODE_TIME = "agentspec.decode_s"  # time spent inside the decoder (not in the caller's hands)
 BASELINE_ESTIMATE = "agentspec.baseline_estimate_s"  # the same call, plain decoding, no cache (estimated)
@@ -309,6 +311,7 @@ def speculation_attributes(stats: DecodeStats) -> dict[str, Any]:
         DRAFTED_PER_POSITION: list(stats.drafted_per_position),
         PREFIX_TOKENS_RESTORED: stats.cached_tokens,
         PREFILL_TOKENS: stats.prefill_tokens,
+        PREFIX_TOKENS_SHARED: stats.shared_prefix_tokens,
         **source_attributes(stats),
         **({DRAFT_COOLDOWN: stats.draft_cooldown} if stats.draft_cooldown else {}),
     }

@@ -487,3 +487,129 @@ def test_calls_asking_for_logprobs_read_once_more_per_pass(bpair, cases):
         assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
     assert sum(step.drafted for steps in results for step in steps) > 0
     assert syncs.count == 2 * (s.passes - passes0), syncs.where
+
+
+# --- a prompt's rows computed once in flight ------------------------------------------------------
+
+SYSTEM = [(7 * i + 3) % 61 + 2 for i in range(40)]  # a system prompt the calls below share
+
+
+def shared_prompts(n: int) -> list[list[int]]:
+    """``n`` prompts of ``SYSTEM`` and a question of their own, each question's first token its own
+    (so the prompts share exactly ``SYSTEM``)."""
+    return [SYSTEM + [i] + [(5 * i + j) % 60 + 2 for j in range(3 + i)] for i in range(n)]
+
+
+def rows_fed(pair: ModelPair, run) -> tuple[object, int]:
+    """``run()``'s result, and the rows the target computed for it (every forward embeds its rows once)."""
+    rows: list[int] = []
+    hook = pair.target.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _o: rows.append(args[0].numel())
+    )
+    try:
+        return run(), sum(rows)
+    finally:
+        hook.remove()
+
+
+def test_calls_starting_together_with_one_system_prompt_compute_it_once(bpair, monkeypatch, hf_greedy):
+    """Six calls start together with one system prompt: one computes it, the five others sit a pass
+    out and copy its rows, so the target computes them once; every reply is its solo one."""
+    monkeypatch.setattr(bpair.scheduler, "prefill_chunk", 8)
+    prompts = shared_prompts(6)
+
+    def together(drafters: list[str], share: bool):
+        monkeypatch.setattr(bpair.scheduler, "share_prompts", share)
+        shared0 = bpair.scheduler.stats.shared
+        calls = [
+            lambda p=p, d=d: agentspec.generate(bpair, p, d, False, max_new_tokens=N_NEW)
+            for p, d in zip(prompts, drafters)
+        ]
+        results, rows = rows_fed(bpair, lambda: start_together(bpair, calls))
+        for prompt, r in zip(prompts, results):
+            assert not isinstance(r, Exception), r
+            assert_same(bpair.target, prompt, r.token_ids, hf_greedy(bpair.target, prompt, N_NEW))
+        return results, rows, bpair.scheduler.stats.shared - shared0
+
+    results, _, shared = together(["none", "suffix", "model", "auto", "prompt_lookup", "none"], True)
+    assert shared == 5 * len(SYSTEM)
+    assert sorted(r.stats.shared_prefix_tokens for r in results) == [0] + [len(SYSTEM)] * 5
+    for prompt, r in zip(prompts, results):
+        assert r.stats.cached_tokens == r.stats.shared_prefix_tokens
+        assert r.stats.prefill_tokens == len(prompt) - r.stats.shared_prefix_tokens
+    # without drafts every call feeds the same rows whatever the passes' timing: counted exactly
+    _, rows_on, _ = together(["none"] * 6, True)
+    _, rows_off, shared_off = together(["none"] * 6, False)
+    assert shared_off == 0
+    assert rows_off - rows_on == 5 * len(SYSTEM)
+
+
+def test_calls_of_two_namespaces_never_share_their_prompt_rows(bpair, monkeypatch, hf_greedy):
+    monkeypatch.setattr(bpair.scheduler, "prefill_chunk", 8)
+    prompts = shared_prompts(4)
+    shared0 = bpair.scheduler.stats.shared
+    results = start_together(
+        bpair,
+        [
+            lambda p=p, i=i: agentspec.generate(
+                bpair, p, "none", False, namespace=f"t{i % 2}", max_new_tokens=4
+            )
+            for i, p in enumerate(prompts)
+        ],
+    )
+    for prompt, r in zip(prompts, results):
+        assert r.token_ids == hf_greedy(bpair.target, prompt, 4)
+    # two calls per namespace: each namespace computes the system prompt once, its other call copies it
+    assert sorted(r.stats.shared_prefix_tokens for r in results) == [0, 0, len(SYSTEM), len(SYSTEM)]
+    assert bpair.scheduler.stats.shared - shared0 == 2 * len(SYSTEM)
+
+
+def test_a_call_joining_copies_the_prompt_rows_of_a_call_decoding(bpair, hf_greedy):
+    """A call that joins while another decodes after the same system prompt copies its rows from
+    that call's state (the prefix cache has nothing yet: the first call has not saved)."""
+    first, second = shared_prompts(2)
+    steps = agentspec.stream(bpair, first, "none", True, max_new_tokens=12)
+    got = list(next(steps).tokens)  # joined, its prompt computed
+    joined = agentspec.generate(bpair, second, "suffix", False, max_new_tokens=N_NEW)
+    for step in steps:
+        got += step.tokens
+    assert got == hf_greedy(bpair.target, first, 12)
+    assert joined.token_ids == hf_greedy(bpair.target, second, N_NEW)
+    assert joined.stats.shared_prefix_tokens == len(SYSTEM)
+
+
+def test_rows_copied_from_another_state_are_the_rows_computed(bpair, monkeypatch):
+    """``ModelState.take_rows`` gives the keys and values a forward computes; a copy that fails
+    leaves the state as it was (the scheduler then lets the call compute them)."""
+    from agentspec.kv import GrowingLayer, ModelState
+
+    prompt = shared_prompts(1)[0]
+    donor, own, fresh = (ModelState(bpair.target_forward) for _ in range(3))
+    donor.forward(prompt, 1)
+    own.forward(SYSTEM[:10], 1)
+    assert own.take_rows(donor, len(SYSTEM)) == len(SYSTEM) - 10
+    fresh.forward(SYSTEM, 1)
+    for a, b in zip(own.segments(len(SYSTEM)), fresh.segments(len(SYSTEM))):
+        torch.testing.assert_close(a[0], b[0])
+        torch.testing.assert_close(a[1], b[1])
+    tail = prompt[len(SYSTEM) :]
+    torch.testing.assert_close(own.forward(tail, 1), fresh.forward(tail, 1))
+
+    broken = ModelState(bpair.target_forward)
+    broken.forward(SYSTEM[:5], 1)
+    calls = []
+
+    def fails_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        return real(self, *args, **kwargs)
+
+    real = GrowingLayer.update
+    monkeypatch.setattr(GrowingLayer, "update", fails_second)
+    with pytest.raises(RuntimeError, match="simulated"):
+        broken.take_rows(donor, len(SYSTEM))
+    monkeypatch.setattr(GrowingLayer, "update", real)
+    assert broken.ids == SYSTEM[:5]
+    assert all(layer.get_seq_length() == 5 for layer in broken.cache.layers)
+    assert broken.take_rows(donor, len(SYSTEM)) == len(SYSTEM) - 5
