@@ -83,6 +83,11 @@ class Step:
     started: float = 0.0  # ``time.perf_counter()`` when the pass began
     # each of ``tokens``' log-probability under the target, when the call asked (``config.logprobs``)
     logprobs: list[lp.TokenLogprob] | None = None
+    source: str | None = None  # where the verified draft came from (``Draft.source``; None: no draft)
+    # each verified draft token's estimated acceptance given those before it, as the drafter gave it
+    # (``Draft.survival``: host floats, or a head's tensor, not read back: on a GPU it stays on the
+    # device until a reader wants it, e.g. a calibration measurement); None where the draft had none
+    acceptance: list[float] | torch.Tensor | None = None
 
 
 @dataclass
@@ -406,10 +411,10 @@ class _Pass:
     tap: tuple[int, ...] = ()  # the target's features its drafter reads (an EAGLE head's layers)
     chunk: bool = False  # a chunk of the prompt only, fed beside other calls' rows: no logits, no Step
     scored: bool = False  # the call asked for log-probabilities: the forced tokens' rows are kept too
-    # [k]: each draft token's estimated acceptance given those before it, where a scheduler may verify
-    # a prefix of the draft only (a greedy or seeded call's, drafted without a grammar); None: the draft
-    # is verified whole
-    acceptance: torch.Tensor | None = None
+    # each draft token's estimated acceptance given those before it (host floats, or a [k] tensor),
+    # where a scheduler may verify a prefix of the draft only (a greedy or seeded call's, drafted
+    # without a grammar); None: the draft is verified whole
+    acceptance: list[float] | torch.Tensor | None = None
 
     @property
     def keep(self) -> int:
@@ -425,7 +430,8 @@ class _Pass:
     def survival(self) -> list[float] | None:
         """S_1 >= S_2 >= ...: the chance that the draft's first i tokens all survive (read only by a
         scheduler sharing the pass: on a GPU, a head's estimates reach the host here)."""
-        return None if self.acceptance is None else survival(self.acceptance.tolist())
+        a = self.acceptance
+        return None if a is None else survival(a.tolist() if isinstance(a, torch.Tensor) else a)
 
     def trim(self, n: int) -> None:
         """Verify only the draft's first ``n`` tokens (a shorter deterministic draft is just another
@@ -617,6 +623,8 @@ def _land(call: _Call, p: _Pass, read: Read | None, hidden: torch.Tensor | None 
         restored=stats.cached_tokens if call.passes == 1 else 0,
         started=p.started,
         logprobs=lp.entries(new, scores, call.config.logprobs) if scores is not None else None,
+        source=p.source if p.verified and len(tokens) else None,
+        acceptance=p.acceptance,
     )
 
 

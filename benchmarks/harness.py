@@ -179,6 +179,7 @@ SYSTEMS = {
     "fleet_hash": "2 agentspec workers (1 CPU each) behind vllm-router, consistent_hash",
     "fleet_rr": "2 agentspec workers (1 CPU each) behind vllm-router, round_robin",
     "vllm_spec": "one vLLM worker, n-gram speculation, prefix caching",
+    "vllm_dynamic": "one vLLM worker, n-gram speculation of a draft length per batch size, prefix caching",
     "vllm_plain": "one vLLM worker, prefix caching, no speculation",
     "vllm_eagle3": "one vLLM worker, agentspec's EAGLE-3 head (4 tokens a pass), prefix caching",
 }
@@ -186,13 +187,14 @@ SYSTEMS = {
 
 def vllm_command(port: int, name: str, dtype: str = "float32") -> list[str] | str:
     """The command of the vLLM worker of system ``name``, or why there is none here."""
-    from agentspec.fleet.vllm import vllm_worker_command
+    from agentspec.fleet.vllm import NGRAM_DYNAMIC_SPECULATION, vllm_worker_command
     from agentspec.models import EAGLE3_HEAD
 
     if name == "vllm_eagle3" and not EAGLE3_HEAD.exists():
         return f"{EAGLE3_HEAD} is missing"
     head = EAGLE3_HEAD if name == "vllm_eagle3" else None
-    command = vllm_worker_command(port, speculative=name == "vllm_spec", head=head, dtype=dtype)
+    speculative = {"vllm_spec": True, "vllm_dynamic": NGRAM_DYNAMIC_SPECULATION}.get(name, False)
+    command = vllm_worker_command(port, speculative=speculative, head=head, dtype=dtype)
     if shutil.which(command[0]) is None:
         return f"{command[0]} is missing: make vllm creates .venv-vllm"
     return command

@@ -26,7 +26,9 @@ calls run, so none sees another's outputs.
 
 Writes results/traces.json (per turn: the plain reply's text and ids and each configuration's figures;
 per configuration and per domain: tokens/s, acceptance, mean accepted length, speed ratio to plain by
-wall and CPU time; ``verdict``: auto against the best single drafter) and traces.png beside it.
+wall and CPU time; ``verdict``: auto against the best single drafter; ``calibration``: per configuration
+whose drafts carry survival estimates, their ECE and Brier score per draft source and position,
+``agentspec.bench.calibration``) and traces.png beside it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import time
 from typing import Any
 
 import agentspec
+from agentspec.bench import calibration
 from agentspec.bench.conversation import prompt_ids
 from agentspec.drafters import DraftMemory, HybridDrafter, build_drafter
 from benchmarks import harness, workloads
@@ -65,10 +68,11 @@ def run_call(pair, ids: list[int], config: str, memory: DraftMemory, n_new: int)
         drafter = build_drafter(pair, config, memory)
     k = NUM_DRAFT_TOKENS.get(config, NUM_DRAFT_TOKENS["adaptive"])
     c0, t0 = time.process_time(), time.perf_counter()
-    r = agentspec.generate(pair, ids, drafter, max_new_tokens=n_new, num_draft_tokens=k)
-    wall, cpu, s = time.perf_counter() - t0, time.process_time() - c0, r.stats
+    steps = list(agentspec.stream(pair, ids, drafter, max_new_tokens=n_new, num_draft_tokens=k))
+    wall, cpu, s = time.perf_counter() - t0, time.process_time() - c0, steps[-1].stats
     return {
-        "tokens": r.token_ids, "seconds": wall, "cpu_seconds": cpu, "draft_tokens": s.draft_tokens,
+        "tokens": [t for step in steps for t in step.tokens], "survival": calibration.outcomes(steps),
+        "seconds": wall, "cpu_seconds": cpu, "draft_tokens": s.draft_tokens,
         "accepted_tokens": s.accepted_tokens, "verify_steps": s.verify_steps,
         "acceptance_histogram": list(s.acceptance_histogram), "cached_tokens": s.cached_tokens,
         **{key: dict(getattr(s, key)) for key in SOURCES},
@@ -125,8 +129,11 @@ def verdict(totals: dict[str, Any], configs: list[str]) -> dict[str, Any]:
     return out
 
 
-def replay(pair, traces, configs: list[str], memories: dict[str, DraftMemory], n_new: int) -> list[dict]:
-    """Every turn of every trace: each configuration's reply, in rotated order, against plain's."""
+def replay(
+    pair, traces, configs: list[str], memories: dict[str, DraftMemory], n_new: int, survival: dict[str, list]
+) -> list[dict]:
+    """Every turn of every trace: each configuration's reply, in rotated order, against plain's; each
+    configuration's judged draft tokens with their survival estimates go to ``survival[config]``."""
     turns: list[dict[str, Any]] = []
     for trace in traces:
         for n, (history, recorded) in enumerate(calls(trace)):
@@ -136,6 +143,8 @@ def replay(pair, traces, configs: list[str], memories: dict[str, DraftMemory], n
             i = len(turns)
             here = [c for c in configs if c != "model" or i % MODEL_EVERY == 0]
             rows = {c: run_call(pair, ids, c, memories[c], n_new) for c in harness.rotated(here, i)}
+            for c in here:
+                survival[c] += rows[c].pop("survival")
             ref = rows["none"]["tokens"]
             diff = [c for c in here if rows[c]["tokens"] != ref]
             turns.append({
@@ -214,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:  # every code path once, outside the measurement and the memories
         run_call(pair, warm, c, DraftMemory(), 4)
     memories = {c: DraftMemory() for c in configs}
-    turns = replay(pair, traces, configs, memories, args.max_new_tokens)
+    survival: dict[str, list] = {c: [] for c in configs}
+    turns = replay(pair, traces, configs, memories, args.max_new_tokens, survival)
     totals = aggregate(turns, configs)
     auto = memories.get("auto")
     result = {
@@ -228,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "environment": {**env, "load_average_end": list(os.getloadavg())},
         "all_identical": all(t["identical"] for t in turns), "verdict": verdict(totals, configs),
+        "calibration": {c: calibration.report(r) for c, r in survival.items() if r},
         "aggregate": totals,
         "by_domain": {d: aggregate([t for t in turns if t["domain"] == d], configs)
                       for d in dict.fromkeys(t["domain"] for t in turns)},

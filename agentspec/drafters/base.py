@@ -33,9 +33,10 @@ class Draft:
     tokens: list[int] | torch.Tensor
     q: torch.Tensor | None = None
     source: str | None = None
-    # [len(tokens)]: each token's estimated chance of surviving verification given that those before
-    # it did (a DSpark head's confidence head); None where the drafter has no estimate
-    survival: torch.Tensor | None = None
+    # each token's estimated chance of surviving verification given that those before it did: host
+    # floats (a calibration's), or a [len(tokens)] tensor on the drafter's device (a DSpark head's
+    # confidence head, read only where a scheduler needs it); None where the drafter has no estimate
+    survival: list[float] | torch.Tensor | None = None
 
 
 class Drafter:

@@ -32,6 +32,7 @@ from agentspec.config import GenerationConfig
 from agentspec.cost import VerifyCost
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.model import ModelDrafter
+from agentspec.drafters.prompt_lookup import lookup_prior
 from agentspec.drafters.schedule import (
     Calibration,
     PassTimer,
@@ -39,7 +40,7 @@ from agentspec.drafters.schedule import (
     pass_yield,
     survival,
 )
-from agentspec.drafters.suffix import SuffixDrafter, SuffixStore
+from agentspec.drafters.suffix import SuffixDrafter, SuffixStore, match_group, suffix_prior
 from agentspec.grammar import Constraint
 from agentspec.kv import ModelState
 
@@ -49,18 +50,6 @@ from agentspec.kv import ModelState
 # agent traces offline (docs/benchmarks.md, "Design probes") gave +6-10% over 1x in every domain,
 # with 2-4 alike.
 CANDIDATE_FACTOR = 3.0
-MATCH_GROUPS = (3, 6, 12)  # match-length buckets for the suffix calibration: 1-2, 3-5, 6-11, 12+
-
-
-def match_group(match_len: int) -> int:
-    return sum(match_len >= b for b in MATCH_GROUPS)
-
-
-SUFFIX_PRIOR = (0.6, 0.75, 0.85, 0.92)  # per match group: acceptance of a continuation seen every time
-
-
-def _suffix_prior(branch: float, group: int) -> float:
-    return SUFFIX_PRIOR[group] * branch  # before evidence (the calibration replaces it as passes verify)
 
 
 @dataclass
@@ -68,7 +57,8 @@ class DraftMemory:
     """What drafting learns about one namespace's calls (read and updated by greedy calls)."""
 
     store: SuffixStore = field(default_factory=SuffixStore)  # earlier outputs
-    suffix_calibration: Calibration = field(default_factory=lambda: Calibration(_suffix_prior))
+    suffix_calibration: Calibration = field(default_factory=lambda: Calibration(suffix_prior))
+    lookup_calibration: Calibration = field(default_factory=lambda: Calibration(lookup_prior))
     model_calibration: Calibration = field(default_factory=Calibration)
     # what a verify pass costs: in a pair's memories, the pair's one VerifyCost (TenantStore.verify)
     cost: VerifyCost = field(default_factory=VerifyCost)
@@ -128,7 +118,7 @@ class HybridDrafter(Drafter):
         acceptance = [self.calibration(b, group) for b in cand.branches]
         s = survival(acceptance)
         d = best_length(s, self.cost.verify)
-        draft = Draft(cand.tokens[:d], survival=torch.tensor(acceptance[:d]))
+        draft = Draft(cand.tokens[:d], survival=acceptance[:d])
         return draft, cand.branches[:d], group, pass_yield(s, d, self.cost.verify, 0.0)
 
     def model_yield(self, k: int) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
+from agentspec.drafters.schedule import Calibration
 from agentspec.kv import common_prefix_len
 
 
@@ -47,15 +48,19 @@ class NgramIndex:
 
     def lookup(self, k: int) -> list[int]:
         """Up to k tokens following the latest earlier match of the last n-gram (longest n first)."""
+        return self.match(k)[0]
+
+    def match(self, k: int) -> tuple[list[int], int]:
+        """``lookup``'s tokens, and the length of the n-gram they follow (0: none matched)."""
         seq = self.seq
         if k <= 0 or len(seq) < 2:
-            return []
+            return [], 0
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             hits = self.starts.get(tuple(seq[-n:]))
             if hits:
                 start = hits[-1] + n  # the latest match: its continuation starts here
-                return seq[start : start + k]
-        return []
+                return seq[start : start + k], n
+        return [], 0
 
 
 def lookup(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -65,24 +70,59 @@ def lookup(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> li
     return index.lookup(k)
 
 
+# a prompt-lookup draft token's acceptance before evidence, by the length of the n-gram matched (1,
+# 2, 3+): what its ``Calibration`` starts from, and replaces as greedy calls' passes verify
+LOOKUP_PRIOR = (0.3, 0.45, 0.6)
+LOOKUP_POSITIONS = 4  # draft positions calibrated apart (later ones with the last)
+
+
+def lookup_group(ngram: int, position: int) -> int:
+    """The calibration group of a draft token at ``position`` after an ``ngram``-token match."""
+    return (min(ngram, len(LOOKUP_PRIOR)) - 1) * LOOKUP_POSITIONS + min(position, LOOKUP_POSITIONS - 1)
+
+
+def lookup_prior(confidence: float, group: int) -> float:
+    return LOOKUP_PRIOR[group // LOOKUP_POSITIONS]
+
+
 class PromptLookupDrafter(Drafter):
+    """Prompt lookup; with a ``Calibration`` (the namespace's, ``DraftMemory.lookup_calibration``),
+    each greedy draft carries its tokens' estimated acceptance, learned per matched n-gram length
+    and draft position from the passes verified (``Draft.survival``: a scheduler sharing the pass
+    verifies the tokens likely to survive)."""
+
     name = "prompt_lookup"
     draft_cap = 4
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, calibration: Calibration | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram=} {max_ngram=}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.calibration = calibration
         self.reset()
 
     def reset(self) -> None:
         self.index = NgramIndex(self.max_ngram, self.min_ngram)
         self.verified = 0  # leading tokens of the index known to be this call's verified sequence
+        self._groups: list[int] | None = None  # the last draft's calibration groups (None: not judged)
 
     def propose(self, seq, k, config: GenerationConfig, generator) -> Draft:
         self.index.sync(seq, min(self.verified, len(self.index.seq)))
-        return Draft(self.index.lookup(k))
+        tokens, ngram = self.index.match(k)
+        self._groups = None
+        if self.calibration is None or not config.greedy or not tokens:
+            return Draft(tokens)
+        # no confidence to bin: every token sits in its group's one cell (bin of 1.0)
+        self._groups = [lookup_group(ngram, j) for j in range(len(tokens))]
+        return Draft(tokens, survival=[self.calibration(1.0, g) for g in self._groups])
+
+    def trimmed(self, n: int) -> None:
+        if self._groups is not None:
+            del self._groups[n:]
 
     def feedback(self, seq, n_accepted, n_drafted) -> None:
+        if self._groups is not None and n_drafted == len(self._groups):  # else a grammar cut it
+            self.calibration.observe([1.0] * n_drafted, n_accepted, self._groups)
+        self._groups = None
         index = self.index
         self.verified = common_prefix_len(index.seq, seq, min(self.verified, len(index.seq)))

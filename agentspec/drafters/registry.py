@@ -89,8 +89,10 @@ BUILDERS: dict[str, Callable[[DraftSource, DraftMemory], Drafter] | None] = {
     "auto": _auto,
     "model": _model,  # the draft model, a fixed number of tokens per pass
     "model_scheduled": _model_scheduled,  # the draft model under its confidence schedule
-    "suffix": lambda pair, memory: SuffixDrafter(memory.store),  # the prompt and earlier outputs
-    "prompt_lookup": lambda pair, memory: PromptLookupDrafter(),  # n-grams of the context
+    # the prompt and earlier outputs
+    "suffix": lambda pair, memory: SuffixDrafter(memory.store, calibration=memory.suffix_calibration),
+    # n-grams of the context
+    "prompt_lookup": lambda pair, memory: PromptLookupDrafter(calibration=memory.lookup_calibration),
     "none": None,  # the target alone
 }
 NAMES: tuple[str, ...] = tuple(BUILDERS)

@@ -255,10 +255,10 @@ class ConfidenceSchedule:
     def keep(self, n: int) -> None:
         del self.confidences[n:], self.survivals[n:]
 
-    def acceptance(self) -> torch.Tensor:
-        """[n]: each kept draft token's calibrated chance of acceptance given those before it."""
+    def acceptance(self) -> list[float]:
+        """Each kept draft token's calibrated chance of acceptance given those before it."""
         before = [1.0] + self.survivals[:-1]
-        return torch.tensor([s / b if b > 0 else 0.0 for s, b in zip(self.survivals, before)])
+        return [s / b if b > 0 else 0.0 for s, b in zip(self.survivals, before)]
 
     def observe(self, n_accepted: int, n_drafted: int) -> None:
         if n_drafted and n_drafted == len(self.confidences):  # else a grammar changed the draft: skip

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
+from agentspec.drafters.schedule import Calibration
 from agentspec.kv import common_prefix_len
 
 MAX_DEPTH = 32  # longest match considered (tree depth)
@@ -50,6 +51,20 @@ STORE_TOKENS = 1 << 16  # output tokens the global tree keeps per pair
 # occurrences of the context's last token a speculation starts from (the latest): bounds a pass's
 # work whatever the context's length (a common token occurs thousands of times in a long context)
 MAX_MATCHES = 512
+
+
+MATCH_GROUPS = (3, 6, 12)  # match-length buckets for the suffix calibration: 1-2, 3-5, 6-11, 12+
+SUFFIX_PRIOR = (0.6, 0.75, 0.85, 0.92)  # per match group: acceptance of a continuation seen every time
+
+
+def match_group(match_len: int) -> int:
+    return sum(match_len >= b for b in MATCH_GROUPS)
+
+
+def suffix_prior(branch: float, group: int) -> float:
+    """A suffix draft token's acceptance before evidence, from its branch frequency and match group
+    (a ``Calibration``'s prior: verified passes replace it)."""
+    return SUFFIX_PRIOR[group] * branch
 
 
 @dataclass
@@ -221,9 +236,13 @@ class SuffixDrafter(Drafter):
         factor: float = FACTOR,
         offset: float = OFFSET,
         floor: float = FLOOR,
+        calibration: Calibration | None = None,
     ):
         self.store = store if store is not None else SuffixStore()
         self.options = {"max_depth": max_depth, "factor": factor, "offset": offset, "floor": floor}
+        # acceptance per (match group, branch frequency), learned from greedy calls' passes: each
+        # draft carries its estimates (``Draft.survival``) for a scheduler sharing the pass; None: none
+        self.calibration = calibration
         self.reset()
 
     def reset(self) -> None:
@@ -232,6 +251,7 @@ class SuffixDrafter(Drafter):
         self._sid: int | None = None  # this request's output in the store
         self._saved = 0  # output tokens already in the store
         self._verified = 0  # leading tokens of the request's sequence known to be verified
+        self._judged: tuple[list[float], int] | None = None  # the last draft's branches and match group
 
     def _sync(self, seq: list[int]) -> None:
         """Make the request's sequence ``seq``, comparing only past the tokens known verified."""
@@ -254,7 +274,14 @@ class SuffixDrafter(Drafter):
         return best
 
     def propose(self, seq, k, config: GenerationConfig, generator) -> Draft:
-        return Draft(self.candidate(seq, k, use_store=config.greedy).tokens)
+        cand = self.candidate(seq, k, use_store=config.greedy)
+        self._judged = None
+        if self.calibration is None or not config.greedy or not cand.tokens:
+            return Draft(cand.tokens)
+        group = match_group(cand.match_len)
+        self._judged = (list(cand.branches[: len(cand.tokens)]), group)
+        estimates = [self.calibration(b, group) for b in self._judged[0]]
+        return Draft(cand.tokens, survival=estimates)
 
     def record(self, seq: list[int]) -> None:
         """Add the verified output past what the store has of this request."""
@@ -270,4 +297,12 @@ class SuffixDrafter(Drafter):
             self._saved += len(new)
 
     def feedback(self, seq, n_accepted, n_drafted) -> None:
+        if self._judged is not None and n_drafted == len(self._judged[0]):  # else a grammar cut it
+            branches, group = self._judged
+            self.calibration.observe(branches, n_accepted, [group] * n_drafted)
+        self._judged = None
         self.record(seq)
+
+    def trimmed(self, n: int) -> None:
+        if self._judged is not None:
+            del self._judged[0][n:]  # the calibration learns from the positions verified

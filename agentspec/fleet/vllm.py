@@ -31,6 +31,14 @@ NGRAM_SPECULATION = {
     "prompt_lookup_min": 2,
 }
 
+# the same with vLLM's dynamic speculation: a draft length per batch size (inclusive ranges of running
+# requests), as vLLM's users set it: the full draft for one or two requests, shorter drafts as the
+# batch fills (agentspec's scheduler decides per pass from survival and cost instead)
+NGRAM_DYNAMIC_SPECULATION = {
+    **NGRAM_SPECULATION,
+    "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 8, 2], [9, 1024, 1]],
+}
+
 # vLLM's drafter for a head in the speculators format: ``method`` is the folder's type ("eagle3")
 HEAD_DRAFT_TOKENS = 4
 
@@ -61,7 +69,7 @@ def cpu_bind(threads: int, first_cpu: int = 0) -> str:
 def vllm_worker_command(
     port: int,
     *,
-    speculative: bool = True,
+    speculative: bool | dict = True,
     head: str | Path | None = None,
     python: str | Path | None = None,
     threads: int | None = None,
@@ -72,7 +80,8 @@ def vllm_worker_command(
 ) -> list[str]:
     """vLLM's OpenAI server on 127.0.0.1:``port`` over ``model_dir`` (default: the embedded model).
 
-    ``speculative``: n-gram speculation (``NGRAM_SPECULATION``); False serves without a drafter.
+    ``speculative``: n-gram speculation (``NGRAM_SPECULATION``), or the ``--speculative-config`` given
+    (e.g. ``NGRAM_DYNAMIC_SPECULATION``); False serves without a drafter.
     ``head``: a head folder in the speculators format drafts instead (``head_speculation``).
     ``python``: the interpreter that has vLLM (default ``VLLM_PYTHON``). ``threads``: on a CPU, the
     worker's threads, bound to ``threads`` allowed CPUs from the ``first_cpu``-th (workers side by side
@@ -111,7 +120,10 @@ def vllm_worker_command(
     if eager:
         command.append("--enforce-eager")
     if speculative or head is not None:  # vLLM refuses the per-request metrics without a drafter
-        config = head_speculation(head) if head is not None else NGRAM_SPECULATION
+        if head is not None:
+            config = head_speculation(head)
+        else:
+            config = speculative if isinstance(speculative, dict) else NGRAM_SPECULATION
         command += ["--speculative-config", json.dumps(config)]
         command += ["--per-request-spec-decode-metrics", "summary"]
     return command

@@ -522,3 +522,48 @@ def test_the_hybrid_forwards_the_constraint_to_the_draft_model(gpair):  # noqa: 
         assert drafter.choice == "model" and draft.tokens and c.path == draft.tokens
         assert valid_prefix(gpair, grammar, draft.tokens)
         assert bool((draft.q[~c.masks(len(draft.tokens))] == 0).all())  # q: the masked distributions
+
+
+# --- survival estimates of model-free drafts --------------------------------------------------------
+
+
+def test_prompt_lookup_estimates_learn_per_ngram_and_position():
+    """With a calibration, a greedy prompt-lookup draft carries an estimate per token, from the prior
+    of its matched n-gram's length before evidence; passes that accept everything raise them, a
+    trimmed draft teaches only the positions verified, and a sampled draft carries none."""
+    from agentspec.drafters.prompt_lookup import LOOKUP_PRIOR, PromptLookupDrafter, lookup_prior
+    from agentspec.drafters.schedule import Calibration
+
+    greedy = agentspec.GenerationConfig()
+    cal = Calibration(lookup_prior)
+    d = PromptLookupDrafter(calibration=cal)
+    seq = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # "1 2 3" matched: a 3-gram
+    draft = d.propose(seq, 4, greedy, None)
+    assert draft.tokens == [4, 5, 6, 7] and draft.survival == pytest.approx([LOOKUP_PRIOR[2]] * 4)
+    for _ in range(20):
+        d.propose(seq, 4, greedy, None)
+        d.feedback(seq + [4, 5, 6, 7, 1], 4, 4)
+    learned = d.propose(seq, 4, greedy, None).survival
+    assert all(a > 0.9 for a in learned)
+    d.trimmed(2)  # only the first two positions verified: one of them rejected
+    d.feedback(seq + [4, 9], 1, 2)
+    after = d.propose(seq, 4, greedy, None).survival
+    assert after[1] < learned[1] and after[2:] == pytest.approx(learned[2:])
+    assert d.propose(seq, 4, agentspec.GenerationConfig(temperature=1.0), None).survival is None
+
+
+def test_suffix_drafts_carry_their_calibrated_estimates():
+    from agentspec.drafters.schedule import Calibration
+    from agentspec.drafters.suffix import match_group, suffix_prior
+
+    cal = Calibration(suffix_prior)
+    d = SuffixDrafter(calibration=cal)
+    seq = [5, 6, 7, 8, 9, 5, 6, 7]
+    cand = d.candidate(seq, 4)
+    draft = d.propose(seq, 4, agentspec.GenerationConfig(), None)
+    group = match_group(cand.match_len)
+    assert draft.tokens == cand.tokens and len(draft.survival) == len(draft.tokens) > 0
+    assert draft.survival == pytest.approx([cal(b, group) for b in cand.branches[: len(cand.tokens)]])
+    d.feedback(seq + draft.tokens[:1] + [0], 1, len(draft.tokens))
+    assert cal.total[1] == pytest.approx(min(2, len(draft.tokens)), rel=0.01)  # a hit, a miss (decayed)
+    assert SuffixDrafter().propose(seq, 4, agentspec.GenerationConfig(), None).survival is None

@@ -1,0 +1,59 @@
+"""Survival estimates reach the caller with each Step, and their calibration is scored as vLLM and
+DSpark read acceptance: token j is judged only where every token before it was accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import agentspec
+from agentspec.bench import calibration
+from agentspec.decode import Step
+
+
+def step(estimates: list[float] | None, accepted: int, source: str = "suffix") -> Step:
+    drafted = len(estimates) if estimates is not None else 3
+    acceptance = torch.tensor(estimates) if estimates is not None else None  # a head's form
+    return Step([1], "", drafted, accepted, 0, 0.0, source=source, acceptance=acceptance)
+
+
+def test_a_pass_judges_its_draft_up_to_the_first_rejection():
+    records = calibration.outcomes([step([0.9, 0.8, 0.7, 0.6], 2), step([0.5, 0.5], 2), step(None, 1)])
+    assert [(pos, y) for _, pos, _, y in records] == [(0, True), (1, True), (2, False), (0, True), (1, True)]
+    assert records[2][2] == pytest.approx(0.7)
+
+
+def test_scores_of_estimates_that_know_and_of_the_base_rate():
+    knowing = [(0.9, True)] * 9 + [(0.9, False)] + [(0.1, False)] * 9 + [(0.1, True)]
+    s = calibration.scores(knowing)
+    assert s["ece"] == pytest.approx(0.0, abs=1e-9)
+    assert s["base_rate"] == 0.5 and s["base_rate_brier"] == 0.25
+    assert s["brier"] == pytest.approx(0.09) and s["brier"] < s["base_rate_brier"]
+    overconfident = calibration.scores([(0.9, True)] * 5 + [(0.9, False)] * 5)
+    assert overconfident["ece"] == pytest.approx(0.4)
+    assert overconfident["brier"] > overconfident["base_rate_brier"]
+
+
+def test_report_splits_sources_and_positions():
+    records = [("suffix", 0, 0.8, True), ("suffix", 9, 0.5, False), ("model", 1, 0.4, False)]
+    r = calibration.report(records)
+    assert set(r) == {"suffix", "model"}
+    assert r["suffix"]["n"] == 2 and set(r["suffix"]["by_position"]) == {"0", "8+"}
+    assert r["model"]["by_position"]["1"]["n"] == 1
+
+
+def test_auto_steps_carry_their_source_and_estimates(target, tokenizer, greedy_cases):
+    """``drafter="auto"`` on a pair without a draft model drafts from suffix trees: each Step that
+    verified a draft names its source, and a suffix draft carries an estimate per verified token,
+    within [0, 1]; the scored outcomes are those passes' judged tokens."""
+    pair = agentspec.ModelPair(target=target, tokenizer=tokenizer, name="tiny-calibration")
+    steps = []
+    for prompt, _ in greedy_cases(target, 6, 24, every=1, seed=3):  # every prompt a repeated pattern
+        steps += agentspec.stream(pair, prompt, "auto", False, max_new_tokens=24)
+    for s in steps:
+        assert (s.source is None) == (s.drafted == 0)
+    suffix = [s for s in steps if s.source == "suffix"]
+    assert suffix and all(s.acceptance is not None and len(s.acceptance) == s.drafted for s in suffix)
+    assert all(0.0 <= a <= 1.0 for s in suffix for a in s.acceptance)
+    judged = calibration.outcomes(steps)
+    assert len(judged) == sum(min(s.accepted + 1, s.drafted) for s in suffix)
