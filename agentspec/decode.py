@@ -623,7 +623,7 @@ def _land(call: _Call, p: _Pass, read: Read | None, hidden: torch.Tensor | None 
         restored=stats.cached_tokens if call.passes == 1 else 0,
         started=p.started,
         logprobs=lp.entries(new, scores, call.config.logprobs) if scores is not None else None,
-        source=p.source if p.verified and len(tokens) else None,
+        source=(p.source or stats.drafter) if p.verified and len(tokens) else None,
         acceptance=p.acceptance,
     )
 

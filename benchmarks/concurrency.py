@@ -30,6 +30,10 @@ prompt), so replies compare as text. The systems run one after another, each alo
 - ``vllm_eagle3``: one vLLM worker drafting with the EAGLE-3 head agentspec ships
   (``agentspec.models.EAGLE3_HEAD``), 4 tokens a pass, prefix caching; in ``sessions`` by default.
 
+In-process runs also give their ``compute_floor``: the rows the run had to compute (uncached prompt
+tokens and output tokens of every turn) times a row's cost at the pair's best rate, timed on the same
+pair right after (a forward of 256 fresh rows), and ``wall_over_floor``.
+
 Each server run of a K uses a cache salt of its own. Per system and K: session latency (median, p90),
 generated tokens/s, the share of prompt tokens read from cache, and every turn compared with the
 reference system's turn for the same history (``same_as_reference``: reply and prompt length equal;
@@ -169,7 +173,33 @@ def run_pair(name: str, dtype: str, k: int, n_new: int, traces) -> dict[str, Any
     figures, sessions = at_once(name, k, traces, ask, 1 if name == "sequential" else k)
     work = scheduler_work(pair, before)
     settings = {"load_factor": pair.scheduler.load_factor, "schedule_drafts": pair.scheduler.schedule_drafts}
-    return {**figures, **settings, "scheduler": work, "sessions": sessions}
+    floor = compute_floor(pair, [t for s in sessions for t in s["turns"]])
+    floor["wall_over_floor"] = round(figures["wall_s"] / floor["floor_s"], 3)
+    return {**figures, **settings, "scheduler": work, "compute_floor": floor, "sessions": sessions}
+
+
+FLOOR_ROWS = 256  # rows of the forward that times a row at the pair's best rate (a prompt's prefill)
+
+
+def compute_floor(pair, turns: list[dict]) -> dict[str, Any]:
+    """The least time the run's work could take: the rows it must compute (each turn's uncached
+    prompt tokens and its output tokens, one row each) times a row's cost at the pair's best rate,
+    measured now, on this pair: the median of 3 forwards of ``FLOOR_ROWS`` fresh rows, per row."""
+    import torch
+
+    from agentspec.kv import ModelState
+
+    ids = [(7 * i) % 1000 + 100 for i in range(FLOOR_ROWS)]
+    times = []
+    for _ in range(3):
+        state = ModelState(pair.target_forward)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            state.forward(ids, 1)
+        times.append(time.perf_counter() - start)
+    row_s = statistics.median(times) / FLOOR_ROWS
+    rows = sum(t["prompt_tokens"] - t["cached_tokens"] + t["output_tokens"] for t in turns)
+    return {"rows": rows, "row_s": round(row_s, 6), "floor_s": round(rows * row_s, 3)}
 
 
 def run_server(system: harness.System, model: str, k: int, n_new: int, traces, tokenizer=None) -> dict:

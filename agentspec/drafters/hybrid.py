@@ -40,7 +40,7 @@ from agentspec.drafters.schedule import (
     pass_yield,
     survival,
 )
-from agentspec.drafters.suffix import SuffixDrafter, SuffixStore, match_group, suffix_prior
+from agentspec.drafters.suffix import SuffixDrafter, SuffixStore, suffix_groups, suffix_prior
 from agentspec.grammar import Constraint
 from agentspec.kv import ModelState
 
@@ -101,7 +101,7 @@ class HybridDrafter(Drafter):
         self.cost: VerifyCost | None = None
         self.choice: str | None = None  # source of the last proposal
         self._branches: list[float] = []
-        self._group = 0
+        self._groups: list[int] = []  # their calibration groups (match group, position)
 
     def _begin(self, greedy: bool) -> None:
         m = self.memory
@@ -110,16 +110,18 @@ class HybridDrafter(Drafter):
         if self.model is not None:
             self.model.schedule.begin(greedy, self.cost)
 
-    def suffix_draft(self, seq: list[int], k: int, greedy: bool) -> tuple[Draft, list[float], int, float]:
+    def suffix_draft(
+        self, seq: list[int], k: int, greedy: bool
+    ) -> tuple[Draft, list[float], list[int], float]:
         """The suffix candidate's best prefix: the draft (its calibrated acceptances as its survival
-        estimates), branch frequencies, match group, yield per cost."""
+        estimates), branch frequencies, calibration groups, yield per cost."""
         cand = self.suffix.candidate(seq, k, use_store=greedy)
-        group = match_group(cand.match_len)
-        acceptance = [self.calibration(b, group) for b in cand.branches]
+        groups = suffix_groups(cand.match_len, len(cand.branches))
+        acceptance = [self.calibration(b, g) for b, g in zip(cand.branches, groups)]
         s = survival(acceptance)
         d = best_length(s, self.cost.verify)
         draft = Draft(cand.tokens[:d], survival=acceptance[:d])
-        return draft, cand.branches[:d], group, pass_yield(s, d, self.cost.verify, 0.0)
+        return draft, cand.branches[:d], groups[:d], pass_yield(s, d, self.cost.verify, 0.0)
 
     def model_yield(self, k: int) -> float:
         """Expected tokens per unit cost of a model draft now (0: no draft model)."""
@@ -135,10 +137,10 @@ class HybridDrafter(Drafter):
     ) -> Draft:
         if self.calibration is None:
             self._begin(config.greedy)
-        suffix, branches, group, y_suffix = self.suffix_draft(seq, k, config.greedy)
+        suffix, branches, groups, y_suffix = self.suffix_draft(seq, k, config.greedy)
         if suffix.tokens and y_suffix >= self.model_yield(k):
             draft, self.choice = suffix, "suffix"
-            self._branches, self._group = branches, group
+            self._branches, self._groups = branches, groups
         elif self.model is not None:
             draft = self.model.draft(seq, k, config, generator, constraint)
             self.choice = "model" if len(draft.tokens) else "none"
@@ -152,7 +154,7 @@ class HybridDrafter(Drafter):
         if self.cost is not None:
             self.timer.verified(self.cost, n_drafted)
         if self.choice == "suffix" and n_drafted == len(self._branches):  # else a grammar cut it
-            self.calibration.observe(self._branches, n_accepted, [self._group] * n_drafted)
+            self.calibration.observe(self._branches, n_accepted, self._groups)
         elif self.choice == "model":
             self.model.schedule.observe(n_accepted, n_drafted)
         self.suffix.record(seq)
@@ -163,7 +165,7 @@ class HybridDrafter(Drafter):
 
     def trimmed(self, n: int) -> None:
         if self.choice == "suffix":
-            del self._branches[n:]  # the calibration learns from the positions verified
+            del self._branches[n:], self._groups[n:]  # the calibration learns from those verified
         elif self.choice == "model":
             self.model.trimmed(n)
 

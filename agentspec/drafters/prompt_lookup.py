@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.drafters.schedule import Calibration
+from agentspec.drafters.schedule import POSITIONS, Calibration, positioned
 from agentspec.kv import common_prefix_len
 
 
@@ -73,16 +73,15 @@ def lookup(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> li
 # a prompt-lookup draft token's acceptance before evidence, by the length of the n-gram matched (1,
 # 2, 3+): what its ``Calibration`` starts from, and replaces as greedy calls' passes verify
 LOOKUP_PRIOR = (0.3, 0.45, 0.6)
-LOOKUP_POSITIONS = 4  # draft positions calibrated apart (later ones with the last)
 
 
 def lookup_group(ngram: int, position: int) -> int:
     """The calibration group of a draft token at ``position`` after an ``ngram``-token match."""
-    return (min(ngram, len(LOOKUP_PRIOR)) - 1) * LOOKUP_POSITIONS + min(position, LOOKUP_POSITIONS - 1)
+    return positioned(min(ngram, len(LOOKUP_PRIOR)) - 1, position)
 
 
 def lookup_prior(confidence: float, group: int) -> float:
-    return LOOKUP_PRIOR[group // LOOKUP_POSITIONS]
+    return LOOKUP_PRIOR[group // POSITIONS]
 
 
 class PromptLookupDrafter(Drafter):

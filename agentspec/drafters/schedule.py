@@ -89,14 +89,28 @@ def worth_extending(
 # --- calibration -----------------------------------------------------------------------------------
 
 
+POSITIONS = 4  # draft positions calibrated apart (DSpark calibrates position by position); the rest as one
+
+
+def positioned(group: int, position: int) -> int:
+    """The calibration group of a draft token at ``position`` (0: the first) whose evidence is of
+    kind ``group`` (a match length's, an n-gram's): a prior reads the kind as ``group // POSITIONS``."""
+    return group * POSITIONS + min(position, POSITIONS - 1)
+
+
 @dataclass
 class Calibration:
-    """P(accepted | confidence), per (group, confidence bin), pulled toward a prior curve.
+    """P(accepted | confidence), per (group, confidence bin), pulled toward what the group's kind
+    shows over every position, and that toward a prior curve.
 
-    Each cell holds decayed counts of hits and trials; its estimate at confidence c is
-    ``(hits + weight * prior(c, group)) / (trials + weight)``. Verification of a d-token draft that
-    accepted n tokens reveals n hits and, when n < d, one miss at position n + 1; later positions
-    are unseen. ``group`` separates kinds of evidence (the suffix drafter groups by match length).
+    Each cell holds decayed counts of hits and trials. A group is a kind of evidence (the suffix
+    drafter's match length) at a draft position (``positioned``); the kind's cell of a bin pools every
+    position's evidence, ``base = (pooled hits + weight * prior(c, group)) / (pooled trials + weight)``,
+    and a group's estimate is ``(hits + weight * base) / (trials + weight)``: a later position, which
+    a short draft seldom reaches, starts from what the first positions showed and moves to its own
+    rate as its evidence grows (DSpark calibrates position by position). Verification of a d-token
+    draft that accepted n tokens reveals n hits and, when n < d, one miss at position n + 1; later
+    positions are unseen.
     """
 
     # what a confidence means before any evidence: prior(confidence, group)
@@ -105,6 +119,7 @@ class Calibration:
     weight: float = 4.0  # pseudo-observations behind the prior
     decay: float = 0.995  # each update shrinks a cell's old counts: recent evidence counts more
     cells: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (group, bin) -> [hits, trials]
+    pooled: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (kind, bin), every position
     total: list[float] = field(default_factory=lambda: [0.0, 0.0])  # every position: [hits, trials]
     first: list[float] = field(default_factory=lambda: [0.0, 0.0])  # calibrated a_1 of proposals: [sum, n]
     # a schedule's probing of a draft that does not pay: steps skipped since the last draft, and
@@ -116,8 +131,11 @@ class Calibration:
         return min(self.bins - 1, max(0, int(c * self.bins)))
 
     def __call__(self, confidence: float, group: int = 0) -> float:
-        hits, trials = self.cells.get((group, self._bin(confidence)), (0.0, 0.0))
-        return (hits + self.weight * self.prior(confidence, group)) / (trials + self.weight)
+        b = self._bin(confidence)
+        hits, trials = self.pooled.get((group // POSITIONS, b), (0.0, 0.0))
+        base = (hits + self.weight * self.prior(confidence, group)) / (trials + self.weight)
+        hits, trials = self.cells.get((group, b), (0.0, 0.0))
+        return (hits + self.weight * base) / (trials + self.weight)
 
     def trials(self, confidence: float, group: int = 0) -> float:
         """Evidence behind the estimate at this confidence (decayed count of verified positions)."""
@@ -143,8 +161,10 @@ class Calibration:
     ) -> None:
         for i, c in enumerate(confidences[: n_accepted + 1]):
             hit = 1.0 if i < n_accepted else 0.0
-            cell = self.cells.setdefault((groups[i] if groups else 0, self._bin(c)), [0.0, 0.0])
-            for counts in (cell, self.total):
+            group, b = groups[i] if groups else 0, self._bin(c)
+            cell = self.cells.setdefault((group, b), [0.0, 0.0])
+            pool = self.pooled.setdefault((group // POSITIONS, b), [0.0, 0.0])
+            for counts in (cell, pool, self.total):
                 counts[0] = counts[0] * self.decay + hit
                 counts[1] = counts[1] * self.decay + 1.0
 
@@ -230,7 +250,7 @@ class ConfidenceSchedule:
         return False
 
     def include(self, confidence: float) -> bool:
-        a = self.calibration(confidence)
+        a = self.calibration(confidence, positioned(0, len(self.survivals)))
         first = not self.survivals
         if first:
             self.calibration.note_first(a)
@@ -262,7 +282,8 @@ class ConfidenceSchedule:
 
     def observe(self, n_accepted: int, n_drafted: int) -> None:
         if n_drafted and n_drafted == len(self.confidences):  # else a grammar changed the draft: skip
-            self.calibration.observe(self.confidences, n_accepted)
+            groups = [positioned(0, j) for j in range(n_drafted)]
+            self.calibration.observe(self.confidences, n_accepted, groups)
         self.confidences, self.survivals = [], []
 
 

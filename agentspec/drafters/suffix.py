@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.drafters.schedule import Calibration
+from agentspec.drafters.schedule import POSITIONS, Calibration, positioned
 from agentspec.kv import common_prefix_len
 
 MAX_DEPTH = 32  # longest match considered (tree depth)
@@ -61,10 +61,15 @@ def match_group(match_len: int) -> int:
     return sum(match_len >= b for b in MATCH_GROUPS)
 
 
+def suffix_groups(match_len: int, n: int) -> list[int]:
+    """The calibration groups of a suffix draft's ``n`` tokens: its match group, by position."""
+    return [positioned(match_group(match_len), j) for j in range(n)]
+
+
 def suffix_prior(branch: float, group: int) -> float:
     """A suffix draft token's acceptance before evidence, from its branch frequency and match group
     (a ``Calibration``'s prior: verified passes replace it)."""
-    return SUFFIX_PRIOR[group] * branch
+    return SUFFIX_PRIOR[group // POSITIONS] * branch
 
 
 @dataclass
@@ -251,7 +256,7 @@ class SuffixDrafter(Drafter):
         self._sid: int | None = None  # this request's output in the store
         self._saved = 0  # output tokens already in the store
         self._verified = 0  # leading tokens of the request's sequence known to be verified
-        self._judged: tuple[list[float], int] | None = None  # the last draft's branches and match group
+        self._judged: tuple[list[float], list[int]] | None = None  # the last draft's branches and groups
 
     def _sync(self, seq: list[int]) -> None:
         """Make the request's sequence ``seq``, comparing only past the tokens known verified."""
@@ -278,9 +283,9 @@ class SuffixDrafter(Drafter):
         self._judged = None
         if self.calibration is None or not config.greedy or not cand.tokens:
             return Draft(cand.tokens)
-        group = match_group(cand.match_len)
-        self._judged = (list(cand.branches[: len(cand.tokens)]), group)
-        estimates = [self.calibration(b, group) for b in self._judged[0]]
+        branches = list(cand.branches[: len(cand.tokens)])
+        self._judged = (branches, suffix_groups(cand.match_len, len(branches)))
+        estimates = [self.calibration(b, g) for b, g in zip(*self._judged)]
         return Draft(cand.tokens, survival=estimates)
 
     def record(self, seq: list[int]) -> None:
@@ -298,11 +303,11 @@ class SuffixDrafter(Drafter):
 
     def feedback(self, seq, n_accepted, n_drafted) -> None:
         if self._judged is not None and n_drafted == len(self._judged[0]):  # else a grammar cut it
-            branches, group = self._judged
-            self.calibration.observe(branches, n_accepted, [group] * n_drafted)
+            branches, groups = self._judged
+            self.calibration.observe(branches, n_accepted, groups)
         self._judged = None
         self.record(seq)
 
     def trimmed(self, n: int) -> None:
         if self._judged is not None:
-            del self._judged[0][n:]  # the calibration learns from the positions verified
+            del self._judged[0][n:], self._judged[1][n:]  # the calibration learns from those verified
