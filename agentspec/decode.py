@@ -79,7 +79,7 @@ class Step:
     target_pass: bool = True  # a target forward ran (False: the grammar alone added these tokens)
     fed: int = 0  # tokens the target's pass was fed (uncached prompt or pending tokens, forced, drafts)
     cached: int = 0  # tokens in the target's KV cache before the pass (restored or verified earlier)
-    restored: int = 0  # prompt tokens restored from the prefix cache (first step only, else 0)
+    restored: int = 0  # prompt tokens restored from the prefix cache or copied from a call (first step)
     started: float = 0.0  # ``time.perf_counter()`` when the pass began
     # each of ``tokens``' log-probability under the target, when the call asked (``config.logprobs``)
     logprobs: list[lp.TokenLogprob] | None = None
