@@ -55,9 +55,7 @@ PREFILL_CHUNK = 512  # any other device
 # alone cannot see. Set ``Scheduler.load_factor`` to bound them.
 LOAD_FACTOR: float | None = None
 SCHEDULE_DRAFTS = True  # a shared pass verifies the drafts likely to survive (``_verify_lengths``)
-SHARE_PROMPTS = (
-    True  # a prompt's rows another running call holds are copied, not computed (``_share_prompts``)
-)
+SHARE_PROMPTS = True  # prompt rows a running call holds are copied, not computed (``_share_prompts``)
 
 
 class Share(Protocol):
@@ -439,20 +437,16 @@ class Scheduler:
             own = min(len(wanted) - at, self.prefill_chunk)  # rows it would compute this pass
             if own <= 0:
                 continue
-            lead = next(
-                (
-                    ids
-                    for other, ids in computing
-                    if other.namespace == m.namespace
-                    and other.cached == at
-                    and 2 * (common_prefix_len(ids, wanted, at) - at) >= own
-                ),
-                None,
+            led = any(
+                other.namespace == m.namespace
+                and other.cached == at
+                and 2 * (common_prefix_len(ids, wanted, at) - at) >= own
+                for other, ids in computing
             )
-            if lead is None:
-                computing.append((m, wanted))
-            else:
+            if led:
                 waiting.add(id(m))
+            else:
+                computing.append((m, wanted))
         self.stats.deferred += len(waiting)
         return [m for m in members if id(m) not in waiting]
 

@@ -35,6 +35,7 @@ from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.prompt_lookup import lookup_prior
 from agentspec.drafters.schedule import (
     Calibration,
+    Judged,
     PassTimer,
     best_length,
     pass_yield,
@@ -100,8 +101,7 @@ class HybridDrafter(Drafter):
         self.calibration: Calibration | None = None  # this call's (set at its first proposal)
         self.cost: VerifyCost | None = None
         self.choice: str | None = None  # source of the last proposal
-        self._branches: list[float] = []
-        self._groups: list[int] = []  # their calibration groups (match group, position)
+        self._judged: Judged | None = None  # the last suffix draft's branch frequencies and groups
 
     def _begin(self, greedy: bool) -> None:
         m = self.memory
@@ -110,18 +110,22 @@ class HybridDrafter(Drafter):
         if self.model is not None:
             self.model.schedule.begin(greedy, self.cost)
 
-    def suffix_draft(
-        self, seq: list[int], k: int, greedy: bool
-    ) -> tuple[Draft, list[float], list[int], float]:
+    def suffix_draft(self, seq: list[int], k: int, greedy: bool) -> tuple[Draft, Judged, float]:
         """The suffix candidate's best prefix: the draft (its calibrated acceptances as its survival
-        estimates), branch frequencies, calibration groups, yield per cost."""
+        estimates), its branch frequencies and groups to learn from, its yield per cost."""
         cand = self.suffix.candidate(seq, k, use_store=greedy)
-        groups = suffix_groups(cand.match_len, len(cand.branches))
-        acceptance = [self.calibration(b, g) for b, g in zip(cand.branches, groups)]
+        judged = Judged(
+            self.calibration, list(cand.branches), suffix_groups(cand.match_len, len(cand.branches))
+        )
+        acceptance = judged.estimates()
         s = survival(acceptance)
         d = best_length(s, self.cost.verify)
-        draft = Draft(cand.tokens[:d], survival=acceptance[:d])
-        return draft, cand.branches[:d], groups[:d], pass_yield(s, d, self.cost.verify, 0.0)
+        judged.trim(d)
+        return (
+            Draft(cand.tokens[:d], survival=acceptance[:d]),
+            judged,
+            pass_yield(s, d, self.cost.verify, 0.0),
+        )
 
     def model_yield(self, k: int) -> float:
         """Expected tokens per unit cost of a model draft now (0: no draft model)."""
@@ -137,10 +141,9 @@ class HybridDrafter(Drafter):
     ) -> Draft:
         if self.calibration is None:
             self._begin(config.greedy)
-        suffix, branches, groups, y_suffix = self.suffix_draft(seq, k, config.greedy)
+        suffix, judged, y_suffix = self.suffix_draft(seq, k, config.greedy)
         if suffix.tokens and y_suffix >= self.model_yield(k):
-            draft, self.choice = suffix, "suffix"
-            self._branches, self._groups = branches, groups
+            draft, self.choice, self._judged = suffix, "suffix", judged
         elif self.model is not None:
             draft = self.model.draft(seq, k, config, generator, constraint)
             self.choice = "model" if len(draft.tokens) else "none"
@@ -153,8 +156,8 @@ class HybridDrafter(Drafter):
     def feedback(self, seq, n_accepted, n_drafted) -> None:
         if self.cost is not None:
             self.timer.verified(self.cost, n_drafted)
-        if self.choice == "suffix" and n_drafted == len(self._branches):  # else a grammar cut it
-            self.calibration.observe(self._branches, n_accepted, self._groups)
+        if self.choice == "suffix":
+            self._judged.observe(n_accepted, n_drafted)
         elif self.choice == "model":
             self.model.schedule.observe(n_accepted, n_drafted)
         self.suffix.record(seq)
@@ -165,7 +168,7 @@ class HybridDrafter(Drafter):
 
     def trimmed(self, n: int) -> None:
         if self.choice == "suffix":
-            del self._branches[n:], self._groups[n:]  # the calibration learns from those verified
+            self._judged.trim(n)
         elif self.choice == "model":
             self.model.trimmed(n)
 

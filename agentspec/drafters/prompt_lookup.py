@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.drafters.schedule import POSITIONS, Calibration, positioned
+from agentspec.drafters.schedule import POSITIONS, Calibration, Judged, positioned
 from agentspec.kv import common_prefix_len
 
 
@@ -103,25 +103,26 @@ class PromptLookupDrafter(Drafter):
     def reset(self) -> None:
         self.index = NgramIndex(self.max_ngram, self.min_ngram)
         self.verified = 0  # leading tokens of the index known to be this call's verified sequence
-        self._groups: list[int] | None = None  # the last draft's calibration groups (None: not judged)
+        self._judged: Judged | None = None  # the last draft's calibration groups (None: not judged)
 
     def propose(self, seq, k, config: GenerationConfig, generator) -> Draft:
         self.index.sync(seq, min(self.verified, len(self.index.seq)))
         tokens, ngram = self.index.match(k)
-        self._groups = None
+        self._judged = None
         if self.calibration is None or not config.greedy or not tokens:
             return Draft(tokens)
         # no confidence to bin: every token sits in its group's one cell (bin of 1.0)
-        self._groups = [lookup_group(ngram, j) for j in range(len(tokens))]
-        return Draft(tokens, survival=[self.calibration(1.0, g) for g in self._groups])
+        groups = [lookup_group(ngram, j) for j in range(len(tokens))]
+        self._judged = Judged(self.calibration, [1.0] * len(tokens), groups)
+        return Draft(tokens, survival=self._judged.estimates())
 
     def trimmed(self, n: int) -> None:
-        if self._groups is not None:
-            del self._groups[n:]
+        if self._judged is not None:
+            self._judged.trim(n)
 
     def feedback(self, seq, n_accepted, n_drafted) -> None:
-        if self._groups is not None and n_drafted == len(self._groups):  # else a grammar cut it
-            self.calibration.observe([1.0] * n_drafted, n_accepted, self._groups)
-        self._groups = None
+        if self._judged is not None:
+            self._judged.observe(n_accepted, n_drafted)
+        self._judged = None
         index = self.index
         self.verified = common_prefix_len(index.seq, seq, min(self.verified, len(index.seq)))

@@ -173,6 +173,27 @@ class Calibration:
         return Calibration(self.prior, self.bins, self.weight, self.decay)
 
 
+@dataclass
+class Judged:
+    """A proposal's confidences and calibration groups, kept until its pass is verified: its
+    estimates come from ``calibration``, which learns from the positions verified (``trim``: a
+    scheduler verified a prefix) and only where the draft was verified whole (a grammar may cut it)."""
+
+    calibration: Calibration
+    confidences: list[float]
+    groups: list[int]
+
+    def estimates(self) -> list[float]:
+        return [self.calibration(c, g) for c, g in zip(self.confidences, self.groups)]
+
+    def trim(self, n: int) -> None:
+        del self.confidences[n:], self.groups[n:]
+
+    def observe(self, n_accepted: int, n_drafted: int) -> None:
+        if n_drafted == len(self.confidences):
+            self.calibration.observe(self.confidences, n_accepted, self.groups)
+
+
 # --- the schedule of a draft model ------------------------------------------------------------------
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.drafters.schedule import POSITIONS, Calibration, positioned
+from agentspec.drafters.schedule import POSITIONS, Calibration, Judged, positioned
 from agentspec.kv import common_prefix_len
 
 MAX_DEPTH = 32  # longest match considered (tree depth)
@@ -256,7 +256,7 @@ class SuffixDrafter(Drafter):
         self._sid: int | None = None  # this request's output in the store
         self._saved = 0  # output tokens already in the store
         self._verified = 0  # leading tokens of the request's sequence known to be verified
-        self._judged: tuple[list[float], list[int]] | None = None  # the last draft's branches and groups
+        self._judged: Judged | None = None  # the last draft's branch frequencies and groups
 
     def _sync(self, seq: list[int]) -> None:
         """Make the request's sequence ``seq``, comparing only past the tokens known verified."""
@@ -283,10 +283,9 @@ class SuffixDrafter(Drafter):
         self._judged = None
         if self.calibration is None or not config.greedy or not cand.tokens:
             return Draft(cand.tokens)
-        branches = list(cand.branches[: len(cand.tokens)])
-        self._judged = (branches, suffix_groups(cand.match_len, len(branches)))
-        estimates = [self.calibration(b, g) for b, g in zip(*self._judged)]
-        return Draft(cand.tokens, survival=estimates)
+        n = len(cand.tokens)
+        self._judged = Judged(self.calibration, cand.branches[:n], suffix_groups(cand.match_len, n))
+        return Draft(cand.tokens, survival=self._judged.estimates())
 
     def record(self, seq: list[int]) -> None:
         """Add the verified output past what the store has of this request."""
@@ -302,12 +301,11 @@ class SuffixDrafter(Drafter):
             self._saved += len(new)
 
     def feedback(self, seq, n_accepted, n_drafted) -> None:
-        if self._judged is not None and n_drafted == len(self._judged[0]):  # else a grammar cut it
-            branches, groups = self._judged
-            self.calibration.observe(branches, n_accepted, groups)
+        if self._judged is not None:
+            self._judged.observe(n_accepted, n_drafted)
         self._judged = None
         self.record(seq)
 
     def trimmed(self, n: int) -> None:
         if self._judged is not None:
-            del self._judged[0][n:], self._judged[1][n:]  # the calibration learns from those verified
+            self._judged.trim(n)
