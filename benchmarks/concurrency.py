@@ -18,7 +18,10 @@ prompt), so replies compare as text. The systems run one after another, each alo
   ``sequential``: the same K sessions one after another; ``inprocess_off``: at once with speculation
   off; ``inprocess_unscheduled``: at once, each call drafting as it would alone (the scheduler's
   ``schedule_drafts`` off: no shared verify lengths; ``scheduler.trimmed`` counts the draft tokens a
-  shared pass left out). A fresh pair for each K, so no K reads what an earlier one left in its caches.
+  shared pass left out); ``inprocess_eagle3``: at once on a pair drafting with the EAGLE-3 head
+  agentspec ships, 4 tokens a pass (``scheduler.draft_steps_per_pass``: the head's steps each of its
+  passes ran, packed across calls). A fresh pair for each K, so no K reads what an earlier one left in
+  its caches.
 - ``single``: one ``agentspec serve`` on every CPU; ``fleet_hash`` / ``fleet_rr``: 2 workers of one CPU
   each behind vllm-router, consistent hashing / round robin (``placement``: each session's workers,
   from the router's log; ``requests_per_worker``: from each worker's /metrics).
@@ -86,6 +89,10 @@ IN_PROCESS: dict[str, tuple[str, dict[str, Any]]] = {
         "the same with each call drafting as alone (no shared verify lengths)",
         {"schedule_drafts": False},
     ),
+    "inprocess_eagle3": (
+        "the same on a pair drafting with agentspec's EAGLE-3 head (drafter 'model', 4 tokens a pass)",
+        {"drafter": "model", "draft_model": "eagle3"},
+    ),
     "sequential": ("the same K sessions one after another on one in-process pair", {}),
 }
 SYSTEMS = {
@@ -149,20 +156,24 @@ def at_once(name: str, k: int, traces, ask, workers: int | None = None) -> tuple
 def scheduler_work(pair, before: dict[str, int] | None = None) -> dict[str, Any]:
     """The scheduler's passes, member shares and rows so far, or since ``before``, and both per pass."""
     stats = pair.scheduler.stats
-    fields = ("passes", "members", "rows", "trimmed")
-    work = {f: getattr(stats, f) - (before or {}).get(f, 0) for f in fields}
+    fields = ("passes", "members", "rows", "trimmed", "draft_steps", "draft_passes")
+    work = {f: getattr(stats, f, 0) - (before or {}).get(f, 0) for f in fields}
     per_pass = {f"{f}_per_pass": round(work[f] / work["passes"], 3) if work["passes"] else None
                 for f in ("members", "rows")}  # fmt: skip
-    return work | per_pass
+    # drafting threads' model steps per pass that ran them: 1 where none are packed
+    steps = work["draft_steps"] / work["draft_passes"] if work["draft_passes"] else None
+    return work | per_pass | {"draft_steps_per_pass": round(steps, 3) if steps else None}
 
 
 def run_pair(name: str, dtype: str, k: int, n_new: int, traces) -> dict[str, Any]:
     """k sessions on a fresh pair in this process: all at once (``inprocess``) or one after another."""
     import agentspec
+    from agentspec.models import EAGLE3_HEAD
     from langchain_agentspec import ChatSpecDecode
 
     options = dict(IN_PROCESS[name][1])
-    pair = agentspec.load_pair(dtype=dtype)
+    head = options.pop("draft_model", None) == "eagle3"
+    pair = agentspec.load_pair(draft_model=str(EAGLE3_HEAD) if head else None, dtype=dtype)
     pair.scheduler.schedule_drafts = options.pop("schedule_drafts", pair.scheduler.schedule_drafts)
     llm = ChatSpecDecode(pair=pair, max_tokens=n_new, **options)
     # first-call costs stay out of the timing (the chat template's first tokens stay in the pair's
