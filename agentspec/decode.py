@@ -799,8 +799,8 @@ class _Member:
             return False
         return not self.closed and self.delivered - self.taken < LOOKAHEAD
 
-    def draft_state(self) -> ModelState | None:
-        return self.call.drafter.kv_state() if self.call.drafter is not None else None
+    def draft_state(self) -> Any:
+        return self.call.drafter.step_state() if self.call.drafter is not None else None
 
     def wanted(self) -> list[int]:
         if not self.prefilling:

@@ -25,11 +25,17 @@ from agentspec.forward import Forward, PlainForward, side_by_side
 
 
 class Batcher(Protocol):
-    """Runs the ``ModelState.forward`` calls of several threads together (``agentspec.packed.Rendezvous``)."""
+    """Runs the steps of several drafting threads together (``agentspec.packed.Rendezvous``): a draft
+    model's ``ModelState.forward`` calls, an EAGLE head's feeds."""
 
     def forward(self, state: ModelState, new: PassIds, keep: int, features: tuple[int, ...]) -> Any:
         """``state.forward_now(new, keep, features)``'s result, computed in one pass with the other
         threads' calls."""
+        ...
+
+    def join(self, job: Any) -> Any:
+        """An ``agentspec.packed.Job``'s result, computed in one pass with the other threads' steps of
+        its key."""
         ...
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,44 +139,56 @@ def forward_packed(
 
 
 @dataclass
-class _Request:
-    state: ModelState
-    new: PassIds
-    keep: int
-    features: tuple[int, ...]
+class Job:
+    """One drafting thread's step, which a ``Rendezvous`` runs in one pass with the other threads'
+    steps of its ``key`` (``together``: all their results, in their order, from one pass), or by itself
+    (``alone``) where it is the only one, the key has no ``together``, or the pass together fails.
+    ``payload``: what ``together`` reads of each step."""
+
+    key: Any
+    alone: Callable[[], Any]
+    together: Callable[[list[Job]], list] | None = None
+    payload: Any = None
     out: Any = None
     error: BaseException | None = None
     done: bool = False
 
 
 class Rendezvous:
-    """The ``ModelState.forward`` calls of ``parties`` threads, run together (``agentspec.kv.Batcher``).
+    """The steps of ``parties`` drafting threads, run together (``agentspec.kv.Batcher``).
 
-    A scheduler drafts for its calls in threads of their own, one per call, each inside
-    ``ModelState.batcher`` set to the rendezvous: a draft model's step waits until every thread still
-    drafting has asked for its own step (or finished), and then the calls on one model run as one
-    packed forward, so a draft model takes one step per draft position for all the calls, not one
-    per call. A thread leaves (``leave``) when its drafting is done. A packed forward that fails is
-    run again call by call, so only a call whose own pass fails gets its error.
+    A scheduler drafts for its calls in threads of their own, one per call, each inside its draft
+    state's ``batcher`` set to the rendezvous: a step (a draft model's ``ModelState.forward``, an
+    EAGLE head's feed) waits until every thread still drafting has asked for its own step (or
+    finished), and then the steps of one model run as one packed pass, so a drafter takes one pass
+    per draft position for all the calls, not one per call. A thread leaves (``leave``) when its
+    drafting is done. A packed pass that fails is run again step by step, so only a call whose own
+    step fails gets its error. ``steps`` and ``passes`` count what it ran (steps asked, passes run).
     """
 
     def __init__(self, parties: int):
         self.active = parties  # threads still drafting
+        self.steps = self.passes = 0
         self._cond = threading.Condition()
-        self._waiting: list[_Request] = []
+        self._waiting: list[Job] = []
 
     def forward(self, state: ModelState, new: PassIds, keep: int, features: tuple[int, ...]) -> Any:
+        """``state.forward_now(new, keep, features)``, packed with the other threads' passes of its model."""
+        alone = lambda: state.forward_now(new, keep, features)  # noqa: E731
         if features or not packable(state):  # not one the packed pass can feed: its own pass
-            return state.forward_now(new, keep, features)
-        request = _Request(state, new, keep, features)
+            return alone()
+        return self.join(Job(id(state.model_forward), alone, _forward_together, (state, new, keep)))
+
+    def join(self, job: Job) -> Any:
+        """``job``'s result, once it has run with the other waiting threads' steps (its error raised)."""
         with self._cond:
-            self._waiting.append(request)
+            self._waiting.append(job)
             self._run_if_all_here()
-            while not request.done:
+            while not job.done:
                 self._cond.wait()
-        if request.error is not None:
-            raise request.error
-        return request.out
+        if job.error is not None:
+            raise job.error
+        return job.out
 
     def leave(self) -> None:
         with self._cond:
@@ -184,35 +196,45 @@ class Rendezvous:
             self._run_if_all_here()
 
     def _run_if_all_here(self) -> None:
-        """With the condition held: once every drafting thread waits, run their passes (here)."""
+        """With the condition held: once every drafting thread waits, run their steps (here)."""
         if not self._waiting or len(self._waiting) < self.active:
             return
         waiting, self._waiting = self._waiting, []
-        by_model: dict[int, list[_Request]] = {}
-        for r in waiting:
-            by_model.setdefault(id(r.state.model_forward), []).append(r)
-        for group in by_model.values():
-            _run(group)
+        by_key: dict[Any, list[Job]] = {}
+        for job in waiting:
+            by_key.setdefault(job.key, []).append(job)
+        # whichever thread runs them (one leaving runs the others' steps), they run as in a draft
+        with torch.inference_mode():
+            for group in by_key.values():
+                self.steps += len(group)
+                self.passes += _run(group)
         self._cond.notify_all()
 
 
-def _run(group: list[_Request]) -> None:
-    """Each request's result (or error): one packed forward, or, alone or when that fails, one by one."""
+def _forward_together(jobs: list[Job]) -> list:
+    states, news, keeps = zip(*(job.payload for job in jobs))
+    return forward_packed(states, news, keeps)
+
+
+def _run(group: list[Job]) -> int:
+    """Each job's result (or error): one pass together, or, alone or when that fails, one by one;
+    returns the passes run."""
     outs = None
-    if len(group) > 1:
+    if len(group) > 1 and group[0].together is not None:
         try:
-            outs = forward_packed([r.state for r in group], [r.new for r in group], [r.keep for r in group])
-        except Exception:  # one request's rows may be at fault: each is run alone below
+            outs = group[0].together(group)
+        except Exception:  # one step's rows may be at fault: each is run alone below
             outs = None
-    for i, r in enumerate(group):
+    for i, job in enumerate(group):
         if outs is not None:
-            r.out = outs[i]
+            job.out = outs[i]
         else:
             try:
-                r.out = r.state.forward_now(r.new, r.keep, r.features)
+                job.out = job.alone()
             except Exception as exc:
-                r.error = exc
-        r.done = True
+                job.error = exc
+        job.done = True
+    return 1 if outs is not None else len(group)
 
 
 @dataclass

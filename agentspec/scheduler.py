@@ -110,9 +110,10 @@ class Member(Protocol):
         of ``wanted()``) instead of computing them; returns how many it took."""
         ...
 
-    def draft_state(self) -> ModelState | None:
-        """The state its drafter's model steps run on (None: none), which the scheduler lets meet other
-        members' steps while they draft (its ``batcher``)."""
+    def draft_state(self) -> Any:
+        """The state its drafter's steps run on (a draft model's ``ModelState``, an EAGLE head's
+        ``EagleState``; None: none), which the scheduler lets meet other members' steps while they
+        draft (its ``batcher``)."""
         ...
 
     def share(self, chunk: int | None, cap: int | None) -> Share:
@@ -152,6 +153,10 @@ class SchedulerStats:
     trimmed: int = 0  # draft tokens drafted but not verified: their rows did not pay in a shared pass
     shared: int = 0  # prompt rows copied from another running call's state, not computed
     deferred: int = 0  # member shares that sat out a pass to copy, at the next, rows another computes
+    # drafting threads' model steps (draft model or head) asked, and the passes that ran them: packed,
+    # a pass runs one step of every call drafting at once (steps per pass = draft_steps / draft_passes)
+    draft_steps: int = 0
+    draft_passes: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (members, rows) of recent passes
 
 
@@ -486,6 +491,8 @@ class Scheduler:
             meeting = Rendezvous(len(group))
             futures = [self._drafting.submit(_drafted, meeting, m, chunk, cap) for m in group]
             shares += [f.result() for f in futures]
+            self.stats.draft_steps += meeting.steps
+            self.stats.draft_passes += meeting.passes
         return shares
 
     def _fail(self, member: Member, exc: BaseException) -> None:

@@ -7,7 +7,7 @@ means "not used": the loop never probes a drafter for what it can do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -62,6 +62,9 @@ class Drafter:
       ``model`` keys the prefix cache's "draft" entries), ``adopt_kv_state(state)`` takes a
       state restored from the cache in its place, and ``catch_up(ids)`` feeds what the state lacks
       of ``ids`` before it is saved.
+    - ``step_state()``: the state its model's steps run on while it drafts (a draft model's
+      ``ModelState``, an EAGLE head's ``EagleState``; None: none), whose ``batcher`` a scheduler sets
+      so that the steps of calls drafting at once run as one pass (``agentspec.packed.Rendezvous``).
     """
 
     name: str
@@ -105,6 +108,10 @@ class Drafter:
 
     def catch_up(self, ids: list[int]) -> None:
         """Bring ``kv_state()`` up to ``ids`` (the target's cached ids) before it is saved."""
+
+    def step_state(self) -> Any:
+        """The state its drafting steps run on, with a ``batcher`` (None: it runs no model)."""
+        return None
 
 
 @runtime_checkable

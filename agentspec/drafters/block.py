@@ -21,6 +21,7 @@ these heads only inside its own model runner.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.eagle import FeatureHead, vocab_logits
 from agentspec.grammar import Constraint, apply_bitmask
+from agentspec.kv import Batcher
+from agentspec.packed import Job
 from agentspec.sampling import probabilities
 
 BLOCK_ARCHITECTURES = ("dflash", "dspark")
@@ -109,33 +112,53 @@ class BlockHead(FeatureHead):
 
     @torch.inference_mode()
     def block(self, anchor: int, cache) -> torch.Tensor:
-        """The block's final hidden states [B, H] after the context in ``cache``, anchored at ``anchor``.
+        """The block's final hidden states [B, H] after the context in ``cache``, anchored at ``anchor``."""
+        return self.blocks([anchor], [cache])[0]
 
-        Each layer writes the block's keys and values after the context's, where the cache's layers
-        grow in place (no copy of the context), and attends both ways over them; they are cropped
-        off again after the forward: the block is not context."""
-        held, b = cache.get_seq_length(), self.block_size
-        ids = torch.full((1, b), self.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0, 0] = anchor
+    @torch.inference_mode()
+    def blocks(self, anchors: Sequence[int], caches: Sequence[Any]) -> list[torch.Tensor]:
+        """Several calls' blocks in one forward: each [B, H] after the context in its cache.
+
+        The blocks' rows go through every linear together (the head's weights read once for them
+        all); each block attends over its own context. Each layer writes a block's keys and values
+        after its context's, where the cache's layers grow in place (no copy of the context), and the
+        block attends both ways over them; they are cropped off again after the forward: the block is
+        not context."""
+        b, n = self.block_size, len(anchors)
+        held = [cache.get_seq_length() for cache in caches]
+        ids = torch.full((1, n * b), self.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0, ::b] = torch.tensor(list(anchors), device=self.device)
         x = self.embed(ids).to(self.dtype)
-        cos, sin = self.rotary_emb(x, torch.arange(held, held + b, device=x.device)[None])
+        positions = torch.cat([torch.arange(h, h + b, device=x.device) for h in held])[None]
+        cos, sin = self.rotary_emb(x, positions)
         try:
             for i, layer in enumerate(self.layers):
-                attn = layer.self_attn
-                h = layer.input_layernorm(x)
-                q = attn.q_norm(attn.q_proj(h).view(1, b, -1, attn.head_dim)).transpose(1, 2)
-                k = attn.k_norm(attn.k_proj(h).view(1, b, -1, attn.head_dim)).transpose(1, 2)
-                v = attn.v_proj(h).view(1, b, -1, attn.head_dim).transpose(1, 2)
-                keys, values = cache.update(_rotate(k, cos, sin), v, i)
-                q = _rotate(q, cos, sin)
-                out = F.scaled_dot_product_attention(q, keys, values, scale=attn.scaling, enable_gqa=True)
-                x = x + attn.o_proj(out.transpose(1, 2).reshape(1, b, -1))
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-        finally:  # each layer that took the block's rows gives them back (a failed layer: none)
-            for kv in cache.layers:
-                if kv.keys.shape[-2] > held:
-                    kv.crop(held - kv.keys.shape[-2])
-        return self.norm(x)[0]
+                x = self._layer(i, layer, x, (cos, sin), caches)
+        finally:  # each layer that took a block's rows gives them back (a failed layer: none)
+            for cache, h in zip(caches, held):
+                for kv in cache.layers:
+                    if kv.keys.shape[-2] > h:
+                        kv.crop(h - kv.keys.shape[-2])
+        return list(self.norm(x)[0].split(b))
+
+    def _layer(self, i: int, layer: Any, x: torch.Tensor, rope: tuple, caches: Sequence[Any]) -> torch.Tensor:
+        """Layer ``i`` over the blocks' rows ``x`` [1, n x B, H], each block attending over its own
+        cache's context and itself (its keys and values written there first)."""
+        attn, rows = layer.self_attn, x.shape[1]
+        h = layer.input_layernorm(x)
+        q = _rotate(attn.q_norm(attn.q_proj(h).view(1, rows, -1, attn.head_dim)).transpose(1, 2), *rope)
+        k = _rotate(attn.k_norm(attn.k_proj(h).view(1, rows, -1, attn.head_dim)).transpose(1, 2), *rope)
+        v = attn.v_proj(h).view(1, rows, -1, attn.head_dim).transpose(1, 2)
+        b, outs = self.block_size, []
+        for j, cache in enumerate(caches):
+            at = slice(j * b, (j + 1) * b)
+            keys, values = cache.update(k[:, :, at], v[:, :, at], i)
+            outs.append(
+                F.scaled_dot_product_attention(q[:, :, at], keys, values, scale=attn.scaling, enable_gqa=True)
+            )
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, rows, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def scores(self, hid: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the target's vocabulary [..., V] for block hidden states [..., H] (plus a
@@ -193,6 +216,9 @@ class BlockState:
 
     def __init__(self, head: BlockHead):
         self.head = head
+        # set by the scheduler while its drafts are to meet other drafting threads' (one forward of
+        # the head for every call's block), else None
+        self.batcher: Batcher | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -248,11 +274,12 @@ class BlockDrafter(Drafter):
         if k <= 0 or self.state.end != p or self.state.end == self.state.base:
             return Draft([])
         head = self.head
-        hid = head.block(seq[-1], self.state.cache)
-        hid = hid if head.sample_from_anchor else hid[1:]
+        block = _Block(self.state, seq[-1], k if head.markov_type is None else 0)  # DFlash: one product
+        batcher = self.state.batcher  # set while other calls draft at once: one forward for them all
+        job = Job(id(head), block.alone, _together, block)
+        hid, every = block.alone() if batcher is None else batcher.join(job)
         tokens, qs, survival = [], [], []
         prev, markov = seq[-1], None
-        every = head.scores(hid[:k]) if head.markov_type is None else None  # DFlash: one product
         for slot in range(k):
             if every is not None:
                 logits, chance = every[slot], None
@@ -276,8 +303,47 @@ class BlockDrafter(Drafter):
         confidence = torch.stack(survival) if survival[0] is not None else None
         return Draft(tokens, q, survival=confidence)
 
+    def step_state(self) -> BlockState:
+        return self.state
+
     def reset(self) -> None:
         self.state.reset()
+
+
+@dataclass
+class _Block:
+    """One call's block: its context (``state``), its ``anchor``, and how many of its drafting slots
+    to score with it (``scored``; 0: a DSpark head scores each slot after its Markov step)."""
+
+    state: BlockState
+    anchor: int
+    scored: int
+
+    def slots(self, hid: torch.Tensor) -> torch.Tensor:
+        """The drafting slots' rows of the block's hidden states [B, H]."""
+        return hid if self.state.head.sample_from_anchor else hid[1:]
+
+    def alone(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Its slots' hidden states and the scored slots' logits (None: none), in a forward of its own."""
+        head = self.state.head
+        hid = self.slots(head.block(self.anchor, self.state.cache))
+        return hid, head.scores(hid[: self.scored]) if self.scored else None
+
+
+def _together(jobs: list[Job]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Several calls' blocks (``Job.payload``: each a ``_Block``) in one forward of the head and one
+    product of its LM head over the slots they score."""
+    blocks: list[_Block] = [job.payload for job in jobs]
+    head = blocks[0].state.head
+    hids = [
+        blk.slots(h)
+        for blk, h in zip(
+            blocks, head.blocks([blk.anchor for blk in blocks], [blk.state.cache for blk in blocks])
+        )
+    ]
+    kept = [h[: blk.scored] for h, blk in zip(hids, blocks) if blk.scored]
+    scored = iter(head.scores(torch.cat(kept)).split([len(x) for x in kept])) if kept else iter(())
+    return [(h, next(scored) if blk.scored else None) for h, blk in zip(hids, blocks)]
 
 
 def _draw(logits: torch.Tensor, config: GenerationConfig, generator) -> tuple[int, torch.Tensor | None]:

@@ -27,12 +27,14 @@ model of tokens), and vLLM's and SGLang's are bound to their own model runners.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from agentspec.forward import NORMED
-from agentspec.kv import PassIds, common_prefix_len, growing_cache, to_device
+from agentspec.kv import Batcher, PassIds, common_prefix_len, growing_cache, to_device
+from agentspec.packed import Job, PackedPass
 
 EAGLE_ARCHITECTURE = "eagle"
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
@@ -176,6 +178,7 @@ class EagleForward:
     def __init__(self, head: EagleHead, decoder=None, fc=None, scores=None):
         self.head = head
         self.decoder = decoder
+        self.packs = decoder is not None  # the lean forward runs packed passes of several calls' feeds
         self.fc = fc if fc is not None else head.fc
         self.scores = scores if scores is not None else head.head
 
@@ -184,12 +187,13 @@ class EagleForward:
         """What the head reads of the target's features: the final norm's output as it is."""
         return features
 
-    def hidden(self, feats: torch.Tensor, ids: torch.Tensor, cache) -> torch.Tensor:
-        """The head's outputs [1, T, d] for features ``feats`` [1, T, d] and ids [1, T] after ``cache``."""
+    def hidden(self, feats: torch.Tensor, ids: torch.Tensor, cache=None, pack=None) -> torch.Tensor:
+        """The head's outputs [1, T, d] for features ``feats`` [1, T, d] and ids [1, T] after ``cache``,
+        or as the rows of ``pack`` (an ``agentspec.packed.PackedPass`` over several states; ``packs``)."""
         x = self.fc(self.head.inputs(feats, ids))
         if self.decoder is None:
             return self.head.decoder(inputs_embeds=x, cache=cache, use_cache=True).last_hidden_state
-        return self.decoder.hidden(x, cache=cache)
+        return self.decoder.hidden(x, cache=cache, pack=pack)
 
 
 class EagleState:
@@ -207,6 +211,9 @@ class EagleState:
         if run is None:
             run = EagleForward(model) if isinstance(model, EagleHead) else model
         self.run = run
+        # set by the scheduler while this state's feeds are to meet other drafting threads' (one pass
+        # of the head for them all, where ``run.packs``), else None
+        self.batcher: Batcher | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -315,6 +322,7 @@ class EagleState:
         assert new_ids, "forward needs at least one new token"
         assert not self.unread, "host ids cannot follow unread entries: settle first"
         outs: list[torch.Tensor] = []
+        logits: torch.Tensor | None = None  # the last feed's, where it was asked for them
         i, n = 0, len(new_ids)
         fed_last = False
         while i < n and self.seen:  # before the call's first verify pass: nothing to read yet
@@ -328,13 +336,16 @@ class EagleState:
                 feats = (
                     self._zero_row() if first else self.run.project(self._take(pos - 1, pos - 1 + end - i))
                 )
-                outs.append(self._feed(feats, new_ids[i:end]))
+                h, logits = self._feed(feats, new_ids[i:end], keep if end == n else 0)
+                outs.append(h)
                 self.real = len(self.ids)
                 i, fed_last = end, True
             elif pos - 1 >= self.feat_end:  # past the verified positions: a draft
                 if self.last is None or len(self.ids) == self.base:
                     break  # nothing to chain from: fed once the target has verified it
-                outs.append(self._feed(self.last[None], new_ids[i : i + 1]))  # the head's own output
+                # the head's own output in place of the feature
+                h, logits = self._feed(self.last[None], new_ids[i : i + 1], keep if i + 1 == n else 0)
+                outs.append(h)
                 i, fed_last = i + 1, True
             else:  # a feature this call never had (a restored prefix): no entry, restart after it
                 if len(self.ids) > self.base:
@@ -345,26 +356,35 @@ class EagleState:
         self.check()
         if not fed_last:  # the last token has no entry: nothing to predict from
             return torch.zeros((0, 1))
-        hidden = torch.cat(outs)[-keep:]
-        return self.run.scores(hidden)
+        if logits is None or len(logits) < keep:  # the rows asked for span several feeds
+            logits = self.run.scores(torch.cat(outs)[-keep:])
+        return logits
 
     def _draft_step(self, ids: torch.Tensor) -> torch.Tensor:
         """Feed drafted tokens still on the device [1] with the head's last output; their logits
         [1, V], or [0, V] with nothing to chain from. Their entries are ``unread``."""
         if self.last is None or len(self.ids) + self.unread == self.base:
             return torch.zeros((0, 1))
-        return self.run.scores(self._feed(self.last[None], ids))[-1:]
+        return self._feed(self.last[None], ids, 1)[1]
 
     def _zero_row(self) -> torch.Tensor:
         return torch.zeros(
             (1, self.model.config.hidden_size), device=self.model.device, dtype=self.model.dtype
         )
 
-    def _feed(self, feats: torch.Tensor, ids: list[int] | torch.Tensor) -> torch.Tensor:
+    def _feed(
+        self, feats: torch.Tensor, ids: list[int] | torch.Tensor, keep: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``ids`` beside ``feats`` [n, d]; the head's outputs [n, d] and the logits of the last
+        ``keep`` of them (None for 0), computed with other drafting threads' feeds where it may."""
         on_device = isinstance(ids, torch.Tensor)
         x = ids.reshape(1, -1) if on_device else to_device(ids, self.model.device)[None]
+        feed = _Feed(self, feats[None].to(self.model.device), x, keep)
         try:
-            h = self.run.hidden(feats[None].to(self.model.device), x, self.cache)[0]
+            if self.batcher is not None and getattr(self.run, "packs", False):
+                h, logits = self.batcher.join(Job(id(self.run), feed.alone, _feeds_together, feed))
+            else:
+                h, logits = feed.alone()
         except BaseException:
             self.reset()
             raise
@@ -373,4 +393,54 @@ class EagleState:
         else:
             self.ids.extend(ids)
         self.last = h[-1]
-        return h
+        return h, logits
+
+    def _roll_back(self, held: int) -> None:
+        """Undo a packed pass that failed, which may have extended some layers only (as
+        ``ModelState._roll_back``); a cache that cannot be cropped starts clean."""
+        try:
+            for layer in self.cache.layers:
+                extra = layer.get_seq_length() - held
+                if extra > 0:
+                    layer.crop(-extra)
+        except Exception:
+            self.reset()
+
+
+@dataclass
+class _Feed:
+    """One feed of a head's state: ``feats`` [1, n, d] (or the head's own outputs) beside ``ids``
+    [1, n], and how many of its last rows to score (``keep``)."""
+
+    state: EagleState
+    feats: torch.Tensor
+    ids: torch.Tensor
+    keep: int
+
+    def alone(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Its outputs [n, d] and kept logits, in a pass of its own."""
+        run = self.state.run
+        h = run.hidden(self.feats, self.ids, self.state.cache)[0]
+        return h, run.scores(h[-self.keep :]) if self.keep else None
+
+
+def _feeds_together(jobs: list[Job]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Several states' feeds of one head (``Job.payload``: each a ``_Feed``) as one packed pass of its
+    layers and one product of its LM head over the rows they keep: the head's weights read once for
+    them all. Each state's rows attend over its own cache (``agentspec.packed.PackedPass``)."""
+    feeds: list[_Feed] = [job.payload for job in jobs]
+    run, head = feeds[0].state.run, feeds[0].state.model
+    held = [f.state.cache.get_seq_length() for f in feeds]
+    lengths = [f.ids.shape[1] for f in feeds]
+    pack = PackedPass([f.state for f in feeds], held, lengths, head.device, head.dtype)
+    feats, ids = torch.cat([f.feats for f in feeds], dim=1), torch.cat([f.ids for f in feeds], dim=1)
+    try:
+        h = run.hidden(feats, ids, pack=pack)[0]
+    except BaseException:
+        for f, n in zip(feeds, held):
+            f.state._roll_back(n)
+        raise
+    rows = [h[a:b] for a, b in pack.spans]
+    kept = [r[-f.keep :] for r, f in zip(rows, feeds) if f.keep]
+    scored = iter(run.scores(torch.cat(kept)).split([len(k) for k in kept])) if kept else iter(())
+    return [(r, next(scored) if f.keep else None) for r, f in zip(rows, feeds)]

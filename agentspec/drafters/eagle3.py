@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from agentspec.attention import use_grouped_sdpa
 from agentspec.drafters.eagle import FeatureHead, one_row_vocab, vocab_logits
 from agentspec.packed import causal_mask
 
@@ -81,6 +82,9 @@ class Eagle3Head(FeatureHead):
         self.layers = stack.layers
         self.norm = stack.norm
         self.rotary_emb = stack.rotary_emb
+        # its layers attend through ``agentspec_sdpa``, which runs several calls' feeds as one packed
+        # pass (``hidden``'s ``pack``); where the family cannot switch, each feed runs alone
+        self.packs = use_grouped_sdpa(stack)
         first = self.layers[0]
         first.hidden_norm = norm_class(d, eps=eps)
         attn = first.self_attn
@@ -104,22 +108,26 @@ class Eagle3Head(FeatureHead):
             )
         return self.fc(f)
 
-    def hidden(self, g: torch.Tensor, ids: torch.Tensor, cache) -> torch.Tensor:
+    def hidden(self, g: torch.Tensor, ids: torch.Tensor, cache=None, pack=None) -> torch.Tensor:
         """What the head feeds back [1, T, H] for g (or its own earlier output) [1, T, H] beside token
-        ids [1, T], after ``cache``: the last layer's output (its norm with ``norm_output``)."""
+        ids [1, T], after ``cache`` or as the rows of ``pack`` (an ``agentspec.packed.PackedPass`` over
+        several states; ``packs``): the last layer's output (its norm with ``norm_output``)."""
         g = g.to(self.dtype)
-        held, n = cache.get_seq_length(), ids.shape[1]
-        positions = torch.arange(held, held + n, device=ids.device)[None]
+        if pack is None:
+            held, n = cache.get_seq_length(), ids.shape[1]
+            positions = torch.arange(held, held + n, device=ids.device)[None]
+            mask, where = causal_mask(held, n, g.device, self.dtype), {"cache": cache}
+        else:  # each state's rows attend over its own cache, masked as alone (``PackedPass.attend``)
+            positions, mask, where = pack.positions, None, {"cache": pack, "agentspec_pack": pack}
         rope = self.rotary_emb(g, positions)
-        mask = causal_mask(held, n, g.device, self.dtype)
         first = self.layers[0]
         h = first.hidden_norm(g)
         x = torch.cat([first.input_layernorm(self.embed(ids).to(self.dtype)), h], dim=-1)
-        x, _ = first.self_attn(x, position_embeddings=rope, attention_mask=mask, cache=cache)
+        x, _ = first.self_attn(x, position_embeddings=rope, attention_mask=mask, **where)
         x = x + (h if self.norm_before_residual else g)
         x = x + first.mlp(first.post_attention_layernorm(x))
         for layer in self.layers[1:]:
-            x = layer(x, attention_mask=mask, position_embeddings=rope, cache=cache)
+            x = layer(x, attention_mask=mask, position_embeddings=rope, **where)
         return self.norm(x) if self.norm_output else x
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:

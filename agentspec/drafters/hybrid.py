@@ -25,6 +25,7 @@ is the target's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -184,6 +185,9 @@ class HybridDrafter(Drafter):
 
     def kv_state(self) -> ModelState | None:
         return None if self.model is None else self.model.kv_state()
+
+    def step_state(self) -> Any:
+        return None if self.model is None else self.model.step_state()
 
     def adopt_kv_state(self, state: ModelState) -> None:
         self.model.adopt_kv_state(state)  # only a state restored for kv_state().model comes back

@@ -240,6 +240,9 @@ class ModelDrafter(Drafter):
         # an EAGLE head's cache was fed this call's target features, which the prefix cache does not keep
         return None if self.feature_layers else self.state
 
+    def step_state(self) -> ModelState | EagleState:
+        return self.state
+
     def adopt_kv_state(self, state: ModelState) -> None:
         self.state = self.state.take(state)  # a static state copies it into its buffers
         self.verified = 0  # compared in full once, at the next sync

@@ -7,8 +7,11 @@ without a feature, the prefix cache, a failing head) leaves the output the targe
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+from together import start_together
 
 import agentspec
 from agentspec import ModelPair
@@ -16,8 +19,11 @@ from agentspec.distill.data import Example
 from agentspec.distill.eagle import collate_eagle, eagle_loss
 from agentspec.distill.student import build_eagle
 from agentspec.drafters import ModelDrafter
+from agentspec.drafters.block import BlockState
 from agentspec.drafters.eagle import EagleState, is_eagle
+from agentspec.head_folder import new_block_head, new_eagle3
 from agentspec.lean import LeanForward
+from agentspec.packed import Rendezvous
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,6 +132,112 @@ def test_drafter_tracks_the_target_features_through_decode(epair):
     agentspec.generate(epair, [1, 2, 3, 4, 5], drafter=drafter, max_new_tokens=12, prefix_cache=False)
     state = drafter.state
     assert state.real >= 10 and state.feat_end >= 16  # 5 prompt + 12 new - the pending last token
+
+
+@pytest.fixture(scope="module")
+def head3(etarget):
+    """An untrained EAGLE-3 head over the target's first two layers (the speculators format's)."""
+    torch.manual_seed(1)
+    return new_eagle3(etarget, [0, 1]).eval()
+
+
+def drive(state: EagleState, width: int, prompt: list[int], drafts: list[int], seed: int) -> list:
+    """A call's first draft on a head's state: the verified prompt fed beside its (random) features,
+    then ``drafts`` chained one by one; the logits of each step."""
+    feats = torch.randn(len(prompt), width, generator=torch.Generator().manual_seed(seed))
+    state.observe(0, feats[:-1])
+    out = [state.forward(prompt, keep=1)]
+    out += [state.forward([token], keep=1) for token in drafts]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_feeds_of_calls_drafting_at_once_run_as_one_pass_of_the_head(kind, head, head3, epair):
+    """Three calls' head states fed in threads meeting at one rendezvous (as the scheduler drafts):
+    each step of the three is one pass of the head, and each state's logits are what it computes alone."""
+    model, run = (head, epair.draft_head) if kind == "eagle" else (head3, head3)
+    assert run.packs
+    width = 32 * len(model.feature_layers)
+    calls = [([5, 9, 2, 33, 7, 41, 12, 8], [3, 60, 17]), ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 9, 7]),
+             ([7, 7, 30], [30, 30, 2])]  # fmt: skip
+    alone = [drive(EagleState(model, run), width, p, d, seed=i) for i, (p, d) in enumerate(calls)]
+    meeting, together = Rendezvous(len(calls)), [None] * len(calls)
+
+    def call(i: int) -> None:
+        state = EagleState(model, run)
+        state.batcher = meeting
+        try:
+            together[i] = drive(state, width, *calls[i], seed=i)
+        finally:
+            meeting.leave()
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    # each call's steps (an EAGLE-1 head feeds x_0 beside a zero row first: 5, else 4) in one pass each
+    assert meeting.steps == len(calls) * meeting.passes and meeting.passes == (5 if kind == "eagle" else 4)
+    for want, got in zip(alone, together):
+        assert len(got) == len(want)
+        for w, g in zip(want, got):
+            assert w.shape == g.shape and torch.allclose(w, g, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def block_heads(etarget):
+    """Untrained DFlash and DSpark heads (the speculators format's), the DSpark one with a Markov bias."""
+    torch.manual_seed(2)
+    heads = {
+        "dflash": new_block_head(etarget, "dflash", [0, 1], block_size=3, mask_token_id=4),
+        "dspark": new_block_head(etarget, "dspark", [1], block_size=4, mask_token_id=4),
+    }
+    with torch.no_grad():
+        for p in heads["dspark"].markov_head.parameters():
+            p.normal_(0, 0.5)
+    return {name: h.eval() for name, h in heads.items()}
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_blocks_of_several_calls_in_one_forward_equal_each_alone(kind, block_heads):
+    """A block head's blocks for three contexts in one forward: each block's hidden states are the
+    ones it computes alone, and every context is left as it was (the blocks are not context)."""
+    model = block_heads[kind]
+    width = 32 * len(model.feature_layers)
+    states = [BlockState(model) for _ in range(3)]
+    for n, state in zip((9, 4, 15), states):
+        state.observe(0, torch.randn(n, width, generator=torch.Generator().manual_seed(n)))
+    anchors, caches = [5, 17, 60], [state.cache for state in states]
+    alone = [model.block(a, c) for a, c in zip(anchors, caches)]
+    together = model.blocks(anchors, caches)
+    assert [c.get_seq_length() for c in caches] == [9, 4, 15]
+    for want, got in zip(alone, together):
+        assert got.shape == want.shape == (model.block_size, 32) and torch.allclose(want, got, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash", "dspark"])
+def test_calls_drafting_with_a_head_at_once_equal_plain_decoding(
+    kind, etarget, head, head3, block_heads, fake_tokenizer
+):
+    """Four calls drafting with a head on one pair, started together: the scheduler packs the head's
+    steps across them (fewer passes than steps), and every reply is the target's own greedy one."""
+    draft = {"eagle": head, "eagle3": head3, **block_heads}[kind]
+    pair = ModelPair(target=etarget, draft=draft, tokenizer=fake_tokenizer(64))
+    prompts = [[1, 5, 9, 2, 33, 7], [4, 4, 4, 8, 8, 8, 15, 16, 23, 42] * 2, [7, 3, 11, 2, 9], [2, 2, 5, 60]]
+    plain = [
+        agentspec.generate(pair, p, speculative=False, max_new_tokens=24, prefix_cache=False) for p in prompts
+    ]
+    stats = pair.scheduler.stats
+    results = start_together(
+        pair,
+        [lambda p=p: agentspec.generate(pair, p, drafter="model", max_new_tokens=24, prefix_cache=False)
+         for p in prompts],
+    )  # fmt: skip
+    for want, got in zip(plain, results):
+        assert not isinstance(got, Exception), got
+        assert got.token_ids == want.token_ids and got.stats.draft_failures == 0
+    assert sum(r.stats.draft_tokens for r in results) > 0
+    assert 0 < stats.draft_passes < stats.draft_steps, (stats.draft_passes, stats.draft_steps)
 
 
 def test_a_failing_head_falls_back_to_the_target(epair, monkeypatch):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_grammar import FORCED, LIST, pieces, reference
 from test_grammar import PROMPTS as GRAMMAR_PROMPTS
+from together import start_together
 
 import agentspec
 from agentspec import Draft, ModelPair
@@ -53,33 +54,6 @@ def drafts_unbounded(bpair, monkeypatch):
 @pytest.fixture(scope="module")
 def cases(bpair, greedy_cases):
     return greedy_cases(bpair.target, 8, N_NEW, every=3, seed=7)
-
-
-def start_together(pair: ModelPair, calls: list) -> list:
-    """Run ``calls`` (functions of no argument) in threads that all join the scheduler before its
-    first pass; return their results (an exception raised is returned as the result)."""
-    results: list = [None] * len(calls)
-    waiting0 = pair.scheduler.stats.waiting
-
-    def run(i: int) -> None:
-        try:
-            results[i] = calls[i]()
-        except Exception as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    with pair.lock:
-        for t in threads:
-            t.start()
-        for _ in range(2000):  # every thread is waiting for the lock to join (bounded)
-            if pair.scheduler.stats.waiting - waiting0 >= len(calls):
-                break
-            time.sleep(0.005)
-        assert pair.scheduler.stats.waiting - waiting0 >= len(calls), "the calls did not all wait to join"
-    for t in threads:
-        t.join(timeout=120)
-        assert not t.is_alive(), "a call did not finish"
-    return results
 
 
 @torch.inference_mode()
