@@ -266,18 +266,22 @@ def measure(names: list[str], ks: list[int], n_new: int, dtype: str, traces, tok
     return runs, skipped
 
 
-def compare(runs: dict[str, list[dict]], reference: str) -> None:
+def compare(runs: dict[str, list[dict]], reference: str) -> list[tuple]:
     """Mark every turn against the ``reference`` system's turn for the same history (the same trace,
-    tag and turn): its reply and its prompt length each equal; count per run."""
+    tag and turn): its reply and its prompt length each equal; count per run. Returns the turns whose
+    reply differs, as (session, turn index, turn, reference turn)."""
     key = lambda s, n: (s["trace"], s["tag"], n)  # noqa: E731
     ref = {
         key(s, n): t for r in runs.get(reference, []) for s in r["sessions"] for n, t in enumerate(s["turns"])
     }
+    differing = []
     for run in (run for system_runs in runs.values() for run in system_runs):
         for s in run["sessions"]:
             for n, t in enumerate(s["turns"]):
                 other = ref.get(key(s, n))
                 t["same_as_reference"] = None if other is None else same(t, other)
+                if other is not None and not t["same_as_reference"]["reply"]:
+                    differing.append((s, n, t, other))
         marks = [
             t["same_as_reference"] for s in run["sessions"] for t in s["turns"] if t["same_as_reference"]
         ]
@@ -286,6 +290,32 @@ def compare(runs: dict[str, list[dict]], reference: str) -> None:
             "prompt_tokens": sum(m["prompt_tokens"] for m in marks),
             "turns": len(marks),
         }
+    return differing
+
+
+def divergences(differing: list[tuple], traces, dtype: str) -> list[dict[str, Any]]:
+    """Where each differing reply (``compare``'s) parts from its reference, and the target's logit
+    margin there (``agentspec.bench.divergence``: top-1 minus top-2 after the common part, one plain
+    transformers pass in the run's dtype): a near tie is two correct computations summing in another
+    order, a wide margin a bug. Replies are compared as their texts' token ids. Each is also set on
+    its turn (``divergence``)."""
+    if not differing:
+        return []
+    import agentspec
+    from agentspec.bench.divergence import first_diff, top_two
+    from agentspec.chat import prepare
+
+    pair, by_name, out = agentspec.load_pair(dtype=dtype), {t.name: t for t in traces}, []
+    encode = lambda text: pair.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    for s, n, turn, other in differing:
+        messages = workloads.openai_messages(workloads.calls(by_name[s["trace"]])[n][0])
+        ids = prepare(pair.tokenizer, workloads.tagged(messages, s["tag"])).prompt.ids
+        got, want = encode(turn["text"]), encode(other["text"])
+        at = first_diff(got, want) or 0
+        first, second, margin = top_two(pair.target, ids + want[:at])
+        turn["divergence"] = {"token": at, "margin": round(margin, 4), "top_two": [first, second]}
+        out.append({"session": s["session"], "turn": n, **turn["divergence"]})
+    return out
 
 
 def same(turn: dict[str, Any], other: dict[str, Any]) -> dict[str, bool]:
@@ -347,7 +377,7 @@ def sessions_part(args) -> dict[str, Any]:
     tokenizer = pair.tokenizer if args.part == "sessions" else None
     del pair  # each in-process run loads a fresh one
     runs, skipped = measure(names, ks, n_new, dtype, traces, tokenizer)
-    compare(runs, reference)
+    differing = compare(runs, reference)
     result = {
         "benchmark": f"K concurrent agent sessions: {', '.join(names)}",
         "environment": env,
@@ -359,6 +389,7 @@ def sessions_part(args) -> dict[str, Any]:
         "max_new_tokens": n_new,
         "reference": reference,
         "goals": goals(runs),
+        "divergences": divergences(differing, traces, dtype),
         "runs": runs,
     }
     if runs:

@@ -86,6 +86,7 @@ class FeatureHead(torch.nn.Module):
     config: Any
     fc: torch.nn.Linear
     context_rows = 64
+    packs = False  # whether its ``hidden`` runs the feeds of several states as one packed pass (``pack=``)
 
     def __init__(self, embed: torch.nn.Module, head: torch.nn.Module):
         super().__init__()
@@ -381,7 +382,7 @@ class EagleState:
         x = ids.reshape(1, -1) if on_device else to_device(ids, self.model.device)[None]
         feed = _Feed(self, feats[None].to(self.model.device), x, keep)
         try:
-            if self.batcher is not None and getattr(self.run, "packs", False):
+            if self.batcher is not None and self.run.packs:
                 h, logits = self.batcher.join(Job(id(self.run), feed.alone, _feeds_together, feed))
             else:
                 h, logits = feed.alone()
