@@ -145,3 +145,20 @@ def test_a_short_run_writes_json_markdown_and_plots(tmp_path):
     assert all((tmp_path / p).exists() for p in result["plots"])
     assert [g["goal"].split(":")[0] for g in loop["goals"]] == ["agent loop"]
     assert (tmp_path / "loop.png").exists()
+
+
+def test_a_reply_differing_from_its_solo_one_is_reported_with_the_margin_where_it_parts(smol_tokenizer):
+    """The concurrency suite's ``divergences``: the first token where the two replies' ids part, and
+    the target's top-two margin after the prompt and their common part (set on the turn too)."""
+    from benchmarks import concurrency
+    from benchmarks import workloads as trace_workloads
+
+    traces = trace_workloads.traces_named(None)[:1]
+    session = {"session": "s0", "trace": traces[0].name, "tag": None}
+    turn, solo = {"text": "I will check the stock now."}, {"text": "I will check the order now."}
+    (found,) = concurrency.divergences([(session, 0, turn, solo)], traces, "float32")
+    a, b = (smol_tokenizer.encode(t["text"], add_special_tokens=False) for t in (turn, solo))
+    at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert found["token"] == at == turn["divergence"]["token"] > 0
+    assert found["margin"] >= 0 and found["top_two"][0] != found["top_two"][1]
+    assert concurrency.divergences([], traces, "float32") == []
