@@ -223,11 +223,7 @@ def running(name: str, log_dir: Path, dtype: str = "float32") -> Iterator[System
         if isinstance(command, str):
             yield command
             return
-        # vLLM's engine and API server are two processes: their OpenMP threads wait passively whatever
-        # this process does, as agentspec's own workers' do (``checkout_env``): spinning, K = 8 took
-        # vLLM 35.75 tokens/s against 42.17 passive (concurrency_omp_active.json, concurrency_k8_after_3.json)
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-        with ServerProcess(command, port, env=env, log=log_dir / f"{name}.log") as worker:
+        with ServerProcess(command, port, log=log_dir / f"{name}.log") as worker:
             yield System(name, worker.url, [worker.url])
 
 
