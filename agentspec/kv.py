@@ -174,6 +174,15 @@ def round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
+def crop_layers(cache: DynamicCache, held: int) -> None:
+    """Crop each layer of ``cache`` back to its first ``held`` positions, after a pass that may have
+    extended some layers only (one that failed part way) or whose rows are not to stay."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - held  # the tensor's shape: no read of its values
+        if extra > 0:
+            layer.crop(-extra)  # transformers 5.x: a negative count removes that many
+
+
 def growing_cache(config: Any) -> DynamicCache:
     """transformers' ``DynamicCache`` for ``config``, its plain layers ``GrowingLayer``s (a sliding
     window's or any other kind stay transformers' own)."""
@@ -344,10 +353,7 @@ class ModelState:
         the ``held`` positions it had, so a retry feeds only that pass's tokens again (on an
         out-of-memory error, ``agentspec.memory``). A cache that cannot be cropped starts clean."""
         try:
-            for layer in self.cache.layers:
-                extra = layer.get_seq_length() - held  # the tensor's shape: no read of its values
-                if extra > 0:
-                    layer.crop(-extra)  # transformers 5.x: a negative count removes that many
+            crop_layers(self.cache, held)
             self.check()
         except Exception:
             self.reset()

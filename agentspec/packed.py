@@ -211,6 +211,18 @@ class Rendezvous:
         self._cond.notify_all()
 
 
+def one_product(
+    parts: Sequence[torch.Tensor | None], product: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """``product`` of each part's rows [n_i, H] (None: none), computed once over all of them (its
+    weights read once, as a packed pass's LM head) and split back per part."""
+    rows = [part for part in parts if part is not None]
+    if not rows:
+        return [None] * len(parts)
+    out = iter(product(torch.cat(rows)).split([len(part) for part in rows]))
+    return [next(out) if part is not None else None for part in parts]
+
+
 def _forward_together(jobs: list[Job]) -> list:
     states, news, keeps = zip(*(job.payload for job in jobs))
     return forward_packed(states, news, keeps)

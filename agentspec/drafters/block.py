@@ -32,8 +32,8 @@ from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.eagle import FeatureHead, vocab_logits
 from agentspec.grammar import Constraint, apply_bitmask
-from agentspec.kv import Batcher
-from agentspec.packed import Job
+from agentspec.kv import Batcher, crop_layers, to_device
+from agentspec.packed import Job, one_product
 from agentspec.sampling import probabilities
 
 BLOCK_ARCHITECTURES = ("dflash", "dspark")
@@ -127,7 +127,7 @@ class BlockHead(FeatureHead):
         b, n = self.block_size, len(anchors)
         held = [cache.get_seq_length() for cache in caches]
         ids = torch.full((1, n * b), self.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0, ::b] = torch.tensor(list(anchors), device=self.device)
+        ids[0, ::b] = to_device(list(anchors), self.device)
         x = self.embed(ids).to(self.dtype)
         positions = torch.cat([torch.arange(h, h + b, device=x.device) for h in held])[None]
         cos, sin = self.rotary_emb(x, positions)
@@ -136,9 +136,7 @@ class BlockHead(FeatureHead):
                 x = self._layer(i, layer, x, (cos, sin), caches)
         finally:  # each layer that took a block's rows gives them back (a failed layer: none)
             for cache, h in zip(caches, held):
-                for kv in cache.layers:
-                    if kv.keys.shape[-2] > h:
-                        kv.crop(h - kv.keys.shape[-2])
+                crop_layers(cache, h)
         return list(self.norm(x)[0].split(b))
 
     def _layer(self, i: int, layer: Any, x: torch.Tensor, rope: tuple, caches: Sequence[Any]) -> torch.Tensor:
@@ -276,8 +274,10 @@ class BlockDrafter(Drafter):
         head = self.head
         block = _Block(self.state, seq[-1], k if head.markov_type is None else 0)  # DFlash: one product
         batcher = self.state.batcher  # set while other calls draft at once: one forward for them all
-        job = Job(id(head), block.alone, _together, block)
-        hid, every = block.alone() if batcher is None else batcher.join(job)
+        if batcher is None:
+            hid, every = block.alone()
+        else:
+            hid, every = batcher.join(Job(id(head), block.alone, _together, block))
         tokens, qs, survival = [], [], []
         prev, markov = seq[-1], None
         for slot in range(k):
@@ -335,15 +335,12 @@ def _together(jobs: list[Job]) -> list[tuple[torch.Tensor, torch.Tensor | None]]
     product of its LM head over the slots they score."""
     blocks: list[_Block] = [job.payload for job in jobs]
     head = blocks[0].state.head
-    hids = [
-        blk.slots(h)
-        for blk, h in zip(
-            blocks, head.blocks([blk.anchor for blk in blocks], [blk.state.cache for blk in blocks])
-        )
-    ]
-    kept = [h[: blk.scored] for h, blk in zip(hids, blocks) if blk.scored]
-    scored = iter(head.scores(torch.cat(kept)).split([len(x) for x in kept])) if kept else iter(())
-    return [(h, next(scored) if blk.scored else None) for h, blk in zip(hids, blocks)]
+    anchors, caches = [blk.anchor for blk in blocks], [blk.state.cache for blk in blocks]
+    hids = [blk.slots(h) for blk, h in zip(blocks, head.blocks(anchors, caches))]
+    scored = one_product(
+        [h[: blk.scored] if blk.scored else None for h, blk in zip(hids, blocks)], head.scores
+    )
+    return list(zip(hids, scored))
 
 
 def _draw(logits: torch.Tensor, config: GenerationConfig, generator) -> tuple[int, torch.Tensor | None]:

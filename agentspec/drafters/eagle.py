@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from agentspec.forward import NORMED
-from agentspec.kv import Batcher, PassIds, common_prefix_len, growing_cache, to_device
-from agentspec.packed import Job, PackedPass
+from agentspec.kv import Batcher, PassIds, common_prefix_len, crop_layers, growing_cache, to_device
+from agentspec.packed import Job, PackedPass, one_product
 
 EAGLE_ARCHITECTURE = "eagle"
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
@@ -400,10 +400,7 @@ class EagleState:
         """Undo a packed pass that failed, which may have extended some layers only (as
         ``ModelState._roll_back``); a cache that cannot be cropped starts clean."""
         try:
-            for layer in self.cache.layers:
-                extra = layer.get_seq_length() - held
-                if extra > 0:
-                    layer.crop(-extra)
+            crop_layers(self.cache, held)
         except Exception:
             self.reset()
 
@@ -442,6 +439,5 @@ def _feeds_together(jobs: list[Job]) -> list[tuple[torch.Tensor, torch.Tensor | 
             f.state._roll_back(n)
         raise
     rows = [h[a:b] for a, b in pack.spans]
-    kept = [r[-f.keep :] for r, f in zip(rows, feeds) if f.keep]
-    scored = iter(run.scores(torch.cat(kept)).split([len(k) for k in kept])) if kept else iter(())
-    return [(r, next(scored) if f.keep else None) for r, f in zip(rows, feeds)]
+    logits = one_product([r[-f.keep :] if f.keep else None for r, f in zip(rows, feeds)], run.scores)
+    return list(zip(rows, logits))
