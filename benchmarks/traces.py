@@ -28,19 +28,24 @@ Writes results/traces.json (per turn: the plain reply's text and ids and each co
 per configuration and per domain: tokens/s, acceptance, mean accepted length, speed ratio to plain by
 wall and CPU time; ``verdict``: auto against the best single drafter; ``calibration``: per configuration
 whose drafts carry survival estimates, their ECE and Brier score per draft source and position,
-``agentspec.bench.calibration``) and traces.png beside it.
+``agentspec.bench.calibration``; ``observations``: each calibration's evidence in order, to replay
+other calibrators on) and traces.png beside it.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import agentspec
 from agentspec.bench import calibration
 from agentspec.bench.conversation import prompt_ids
 from agentspec.drafters import DraftMemory, HybridDrafter, build_drafter
+from agentspec.drafters.prompt_lookup import lookup_prior
+from agentspec.drafters.schedule import Calibration
+from agentspec.drafters.suffix import suffix_prior
 from benchmarks import harness, workloads
 from benchmarks.workloads import calls
 
@@ -57,6 +62,26 @@ CONVENTIONS = {
     "mean_accepted_length": "(accepted + verify_steps) / verify_steps: tokens per target pass",
     "source_steps": "verify passes per draft source (auto: suffix / model / none)",
 }
+
+
+@dataclass
+class Logged(Calibration):
+    """A calibration that also keeps each verification it learns from, in order, so that other
+    calibrators can be replayed offline on the same evidence (the JSON's ``observations``)."""
+
+    log: list = field(default_factory=list)  # [confidences, accepted, groups] per verified draft
+
+    def observe(self, confidences, n_accepted, groups=None) -> None:
+        self.log.append([list(confidences), n_accepted, list(groups or [])])
+        super().observe(confidences, n_accepted, groups)
+
+
+def logged_memory() -> DraftMemory:
+    return DraftMemory(
+        suffix_calibration=Logged(suffix_prior),
+        lookup_calibration=Logged(lookup_prior),
+        model_calibration=Logged(),
+    )
 
 
 def run_call(pair, ids: list[int], config: str, memory: DraftMemory, n_new: int) -> dict[str, Any]:
@@ -222,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = prompt_ids(pair.tokenizer, [{"role": "user", "content": "Hi"}])
     for c in configs:  # every code path once, outside the measurement and the memories
         run_call(pair, warm, c, DraftMemory(), 4)
-    memories = {c: DraftMemory() for c in configs}
+    memories = {c: logged_memory() for c in configs}
     survival: dict[str, list] = {c: [] for c in configs}
     turns = replay(pair, traces, configs, memories, args.max_new_tokens, survival)
     totals = aggregate(turns, configs)
@@ -239,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         "environment": {**env, "load_average_end": list(os.getloadavg())},
         "all_identical": all(t["identical"] for t in turns), "verdict": verdict(totals, configs),
         "calibration": {c: calibration.report(r) for c, r in survival.items() if r},
+        "observations": {c: {kind: cal.log for kind in ("suffix", "lookup", "model")
+                             if (cal := getattr(m, f"{kind}_calibration")).log}
+                         for c, m in memories.items()},
         "aggregate": totals,
         "by_domain": {d: aggregate([t for t in turns if t["domain"] == d], configs)
                       for d in dict.fromkeys(t["domain"] for t in turns)},

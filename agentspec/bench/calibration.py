@@ -9,15 +9,20 @@ from passes already verified), so every outcome is held out from the estimate it
 
 The Brier score is compared with that of predicting each group's base rate (its share of accepted
 tokens, the best constant): an estimate that knows something beats it. ECE is over ``BINS`` equal
-bins of the estimate, weighted by their counts.
+bins of the estimate, weighted by their counts. A few hundred outcomes leave ECE well above 0 even
+for perfect estimates (a bin of 50 at 0.8 is off by 0.045 on average), so each score carries
+``ece_noise``: the mean ECE of outcomes drawn from the estimates themselves (``NOISE_DRAWS``
+seeded draws), the ECE that perfect estimates would show on this many outcomes.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from typing import Any
 
 BINS = 10
+NOISE_DRAWS = 200
 POSITIONS = 8  # positions reported one by one; later ones together ("8+")
 
 
@@ -36,25 +41,33 @@ def outcomes(steps: Iterable[Any]) -> list[tuple[str, int, float, bool]]:
 
 
 def scores(pairs: list[tuple[float, bool]]) -> dict[str, Any]:
-    """Count, base rate, mean estimate, Brier score, the base rate's Brier score and ECE of
-    (estimate, accepted) pairs."""
+    """Count, base rate, mean estimate, Brier score, the base rate's Brier score, ECE and its noise
+    floor of (estimate, accepted) pairs."""
     n = len(pairs)
     if not n:
         return {"n": 0}
     rate = sum(y for _, y in pairs) / n
     brier = sum((p - y) ** 2 for p, y in pairs) / n
-    bins: dict[int, list[tuple[float, bool]]] = {}
-    for p, y in pairs:
-        bins.setdefault(min(BINS - 1, int(p * BINS)), []).append((p, y))
-    ece = sum(abs(sum(p for p, _ in b) - sum(y for _, y in b)) for b in bins.values()) / n
+    draw = random.Random(0).random
+    noise = sum(ece([(p, draw() < p) for p, _ in pairs]) for _ in range(NOISE_DRAWS)) / NOISE_DRAWS
     return {
         "n": n,
         "base_rate": round(rate, 4),
         "mean_estimate": round(sum(p for p, _ in pairs) / n, 4),
         "brier": round(brier, 4),
         "base_rate_brier": round(rate * (1 - rate), 4),
-        "ece": round(ece, 4),
+        "ece": round(ece(pairs), 4),
+        "ece_noise": round(noise, 4),
     }
+
+
+def ece(pairs: list[tuple[float, bool]]) -> float:
+    """Expected calibration error of (estimate, outcome) pairs over ``BINS`` bins of the estimate."""
+    bins: dict[int, list[float]] = {}
+    for p, y in pairs:
+        b = bins.setdefault(min(BINS - 1, int(p * BINS)), [0.0, 0.0])
+        b[0], b[1] = b[0] + p, b[1] + y
+    return sum(abs(est - hit) for est, hit in bins.values()) / len(pairs)
 
 
 def report(records: list[tuple[str, int, float, bool]]) -> dict[str, Any]:

@@ -3,6 +3,8 @@ DSpark read acceptance: token j is judged only where every token before it was a
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -32,6 +34,15 @@ def test_scores_of_estimates_that_know_and_of_the_base_rate():
     overconfident = calibration.scores([(0.9, True)] * 5 + [(0.9, False)] * 5)
     assert overconfident["ece"] == pytest.approx(0.4)
     assert overconfident["brier"] > overconfident["base_rate_brier"]
+
+
+def test_ece_noise_is_what_perfect_estimates_show_on_as_many_outcomes():
+    rnd = random.Random(1)
+    few, many = ([(p, rnd.random() < p) for p in (rnd.random() for _ in range(n))] for n in (60, 6000))
+    f, m = calibration.scores(few), calibration.scores(many)
+    assert m["ece_noise"] < 0.03 < f["ece_noise"]
+    assert m["ece"] < 0.03 < f["ece"]  # the same outcomes' ECE is noise alone too
+    assert calibration.scores(few) == f  # seeded: the same pairs score the same
 
 
 def test_report_splits_sources_and_positions():
