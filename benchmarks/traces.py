@@ -2,13 +2,17 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks traces    # about 11 minutes on 2 cores
     python -m benchmarks traces --traces a,b --configs none,suffix,auto --max-new-tokens 48 --dtype bfloat16
+    python -m benchmarks traces --rounds 3    # the traces 3 times, later rounds tagged (more evidence)
 
 Replays the conversations of ``benchmarks.workloads.TRACES`` (inventory x2, SQL analytics, code editing,
 document Q&A: 22 assistant turns over 300-1,100-token prompts) with the embedded pair, greedily. At
 every assistant turn each configuration generates a reply, side by side, in an order that rotates from
 turn to turn so that machine drift hits all alike; every reply must equal plain decoding's token for
-token. Before the timed calls the turn's prompt is put in the prefix cache (target and draft), so every
-configuration restores it the same way and the timings compare decoding.
+token. With ``--rounds R`` the traces are replayed R times, round r > 0 with ``[round r]`` before
+the first user message (``workloads.tagged``): each configuration's memory carries on, so a later
+round drafts from the outputs of the earlier ones, as an agent repeating its tasks does. Before the
+timed calls the turn's prompt is put in the prefix cache (target and draft), so every configuration
+restores it the same way and the timings compare decoding.
 
     none             plain decoding (our loop without a draft)
     prompt_lookup    n-gram lookup in the context, 4 tokens
@@ -155,14 +159,22 @@ def verdict(totals: dict[str, Any], configs: list[str]) -> dict[str, Any]:
 
 
 def replay(
-    pair, traces, configs: list[str], memories: dict[str, DraftMemory], n_new: int, survival: dict[str, list]
+    pair,
+    traces,
+    configs: list[str],
+    memories: dict[str, DraftMemory],
+    n_new: int,
+    survival: dict[str, list],
+    rounds: int = 1,
 ) -> list[dict]:
-    """Every turn of every trace: each configuration's reply, in rotated order, against plain's; each
-    configuration's judged draft tokens with their survival estimates go to ``survival[config]``."""
+    """Every turn of every trace, ``rounds`` times: each configuration's reply, in rotated order, against
+    plain's; each configuration's judged draft tokens with their survival estimates go to
+    ``survival[config]``."""
     turns: list[dict[str, Any]] = []
-    for trace in traces:
+    for r, trace in ((r, t) for r in range(rounds) for t in traces):
+        tag = f"round {r}" if r else None  # a later round's histories differ from the first's
         for n, (history, recorded) in enumerate(calls(trace)):
-            ids = prompt_ids(pair.tokenizer, history)
+            ids = prompt_ids(pair.tokenizer, workloads.tagged(history, tag))
             # the prompt into the prefix cache, for the target and the draft model alike
             agentspec.generate(pair, ids, "model", max_new_tokens=2, num_draft_tokens=1)
             i = len(turns)
@@ -173,7 +185,7 @@ def replay(
             ref = rows["none"]["tokens"]
             diff = [c for c in here if rows[c]["tokens"] != ref]
             turns.append({
-                "trace": trace.name, "domain": trace.domain, "turn": n, "prompt_tokens": len(ids),
+                "trace": trace.name, "round": r, "domain": trace.domain, "turn": n, "prompt_tokens": len(ids),
                 "output_tokens": len(ref), "output_text": pair.tokenizer.decode(ref),
                 "output_token_ids": ref,  # before_after compares replies between commits by these
                 "recorded_reply": recorded["content"], "identical": not diff, "different": diff,
@@ -181,7 +193,10 @@ def replay(
             })  # fmt: skip
             speeds = "  ".join(f"{c}={len(rows[c]['tokens']) / rows[c]['seconds']:.1f}" for c in here)
             flag = f"  DIFFERENT: {diff}" if diff else ""
-            print(f"{trace.name}#{n} {len(ids)}+{len(ref)} tok/s: {speeds}{flag}", flush=True)
+            print(
+                f"{trace.name}#{n}{f' ({tag})' if tag else ''} {len(ids)}+{len(ref)} tok/s: {speeds}{flag}",
+                flush=True,
+            )
     return turns
 
 
@@ -235,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--traces", default=None, help="comma-separated trace names (default: all)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, plain ('none') first")
+    ap.add_argument("--rounds", type=int, default=1, help="replays of the traces (later ones tagged)")
     args = ap.parse_args(argv)
     harness.set_threads(args.threads)
     configs = [c for c in args.configs.split(",") if c]
@@ -249,12 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         run_call(pair, warm, c, DraftMemory(), 4)
     memories = {c: logged_memory() for c in configs}
     survival: dict[str, list] = {c: [] for c in configs}
-    turns = replay(pair, traces, configs, memories, args.max_new_tokens, survival)
+    turns = replay(pair, traces, configs, memories, args.max_new_tokens, survival, args.rounds)
     totals = aggregate(turns, configs)
     auto = memories.get("auto")
     result = {
         "benchmark": "traces", "max_new_tokens": args.max_new_tokens, "num_draft_tokens": NUM_DRAFT_TOKENS,
         "model_every": MODEL_EVERY, "configs": configs, "traces": [t.name for t in traces],
+        "rounds": args.rounds,
         "conventions": CONVENTIONS, "draft": draft_record(pair, turns),
         "learned_cost_curve": {
             "verify_ratio": [list(p) for p in auto.cost.curve()] if auto else None,

@@ -12,7 +12,8 @@ tokens, the best constant): an estimate that knows something beats it. ECE is ov
 bins of the estimate, weighted by their counts. A few hundred outcomes leave ECE well above 0 even
 for perfect estimates (a bin of 50 at 0.8 is off by 0.045 on average), so each score carries
 ``ece_noise``: the mean ECE of outcomes drawn from the estimates themselves (``NOISE_DRAWS``
-seeded draws), the ECE that perfect estimates would show on this many outcomes.
+seeded draws), the ECE that perfect estimates would show on this many outcomes, and ``ece_p``: the
+share of those draws with an ECE at least the one observed (a small p: miscalibrated beyond noise).
 """
 
 from __future__ import annotations
@@ -48,16 +49,17 @@ def scores(pairs: list[tuple[float, bool]]) -> dict[str, Any]:
         return {"n": 0}
     rate = sum(y for _, y in pairs) / n
     brier = sum((p - y) ** 2 for p, y in pairs) / n
-    draw = random.Random(0).random
-    noise = sum(ece([(p, draw() < p) for p, _ in pairs]) for _ in range(NOISE_DRAWS)) / NOISE_DRAWS
+    observed, draw = ece(pairs), random.Random(0).random
+    perfect = [ece([(p, draw() < p) for p, _ in pairs]) for _ in range(NOISE_DRAWS)]
     return {
         "n": n,
         "base_rate": round(rate, 4),
         "mean_estimate": round(sum(p for p, _ in pairs) / n, 4),
         "brier": round(brier, 4),
         "base_rate_brier": round(rate * (1 - rate), 4),
-        "ece": round(ece(pairs), 4),
-        "ece_noise": round(noise, 4),
+        "ece": round(observed, 4),
+        "ece_noise": round(sum(perfect) / NOISE_DRAWS, 4),
+        "ece_p": round(sum(e >= observed for e in perfect) / NOISE_DRAWS, 3),
     }
 
 

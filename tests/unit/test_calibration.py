@@ -42,6 +42,9 @@ def test_ece_noise_is_what_perfect_estimates_show_on_as_many_outcomes():
     f, m = calibration.scores(few), calibration.scores(many)
     assert m["ece_noise"] < 0.03 < f["ece_noise"]
     assert m["ece"] < 0.03 < f["ece"]  # the same outcomes' ECE is noise alone too
+    assert f["ece_p"] > 0.05 and m["ece_p"] > 0.05
+    wrong = calibration.scores([(min(1.0, p + 0.15), y) for p, y in many])
+    assert wrong["ece_p"] == 0.0 and wrong["ece"] > 0.1
     assert calibration.scores(few) == f  # seeded: the same pairs score the same
 
 
