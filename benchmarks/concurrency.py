@@ -11,9 +11,10 @@
 at once replay the agent traces turn by turn (``workloads.sessions``: session i replays trace i mod 5,
 a repeated trace tagged in its first user message, so no two sessions send the same history), greedy,
 each under its own ``X-Session-ID``. No tools are bound (the traces carry theirs in the system
-prompt), so replies compare as text. The systems run one after another, each alone on the machine:
+prompt), so replies compare as text. The systems run one after another, each alone on the machine,
+an in-process system's every K in a fresh process (no idle threads of one system slow the next):
 
-- ``inprocess``: K threads calling ``ChatSpecDecode.invoke`` on one pair in this process, whose
+- ``inprocess``: K threads calling ``ChatSpecDecode.invoke`` on one pair in one process, whose
   scheduler shares its passes among them (``scheduler``: passes, member shares and rows over the run);
   ``sequential``: the same K sessions one after another; ``inprocess_off``: at once with speculation
   off; ``inprocess_unscheduled``: at once, each call drafting as it would alone (the scheduler's
@@ -167,6 +168,8 @@ def scheduler_work(pair, before: dict[str, int] | None = None) -> dict[str, Any]
 
 def run_pair(name: str, dtype: str, k: int, n_new: int, traces) -> dict[str, Any]:
     """k sessions on a fresh pair in this process: all at once (``inprocess``) or one after another."""
+    import torch
+
     import agentspec
     from agentspec.models import EAGLE3_HEAD
     from langchain_agentspec import ChatSpecDecode
@@ -183,7 +186,8 @@ def run_pair(name: str, dtype: str, k: int, n_new: int, traces) -> dict[str, Any
     ask = lambda messages, _session: harness.in_process(llm, messages)  # noqa: E731
     figures, sessions = at_once(name, k, traces, ask, 1 if name == "sequential" else k)
     work = scheduler_work(pair, before)
-    settings = {"load_factor": pair.scheduler.load_factor, "schedule_drafts": pair.scheduler.schedule_drafts}
+    settings = {"load_factor": pair.scheduler.load_factor, "schedule_drafts": pair.scheduler.schedule_drafts,
+                "process": os.getpid(), "torch_threads": torch.get_num_threads()}  # fmt: skip
     floor = compute_floor(pair, [t for s in sessions for t in s["turns"]])
     floor["wall_over_floor"] = round(figures["wall_s"] / floor["floor_s"], 3)
     return {**figures, **settings, "scheduler": work, "compute_floor": floor, "sessions": sessions}
@@ -244,16 +248,20 @@ def report(name: str, run: dict[str, Any]) -> dict[str, Any]:
     return run
 
 
-def measure(names: list[str], ks: list[int], n_new: int, dtype: str, traces, tokenizer) -> tuple[dict, dict]:
+def measure(
+    names: list[str], ks: list[int], n_new: int, dtype: str, traces, tokenizer, threads: int | None = None
+) -> tuple[dict, dict]:
     """The runs of each system that can run here, one system after another (each has the machine to
-    itself), and why the others were skipped. ``tokenizer``: vLLM is sent prompt ids, not chats."""
+    itself; an in-process system's every K in a process of its own, ``harness.in_own_process``), and
+    why the others were skipped. ``tokenizer``: vLLM is sent prompt ids, not chats."""
     log_dir = Path(tempfile.mkdtemp(prefix="bench-concurrency-"))
     print(f"servers' logs in {log_dir}", flush=True)
     runs: dict[str, list[dict]] = {}
     skipped: dict[str, str] = {}
     for name in names:
         if name in IN_PROCESS:
-            runs[name] = [report(name, run_pair(name, dtype, k, n_new, traces)) for k in ks]
+            runs[name] = [report(name, harness.in_own_process(run_pair, name, dtype, k, n_new, traces,
+                                                              threads=threads)) for k in ks]  # fmt: skip
             continue
         with harness.running(name, log_dir, dtype) as system:
             if isinstance(system, str):
@@ -376,7 +384,7 @@ def sessions_part(args) -> dict[str, Any]:
     env, dtype = harness.environment(pair), str(pair.dtype).removeprefix("torch.")
     tokenizer = pair.tokenizer if args.part == "sessions" else None
     del pair  # each in-process run loads a fresh one
-    runs, skipped = measure(names, ks, n_new, dtype, traces, tokenizer)
+    runs, skipped = measure(names, ks, n_new, dtype, traces, tokenizer, args.threads)
     differing = compare(runs, reference)
     result = {
         "benchmark": f"K concurrent agent sessions: {', '.join(names)}",

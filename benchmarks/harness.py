@@ -64,6 +64,19 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def in_own_process(fn: Callable[..., Any], *args: Any, threads: int | None = None) -> Any:
+    """``fn(*args)`` in a fresh Python process (spawned: nothing inherited but the environment), its
+    result pickled back. A system run this way starts as a user's process would and leaves nothing
+    behind: no OpenMP pool whose idle threads take the CPUs of the systems run after it, no pair's
+    pass thread, no allocator's cache. ``fn`` must be importable (a module-level function)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn, initializer=set_threads, initargs=(threads,)) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def environment(pair=None) -> dict[str, Any]:
     """CPU, threads, versions and the git commit; the pair's models, device and dtype where given."""
     from agentspec.bench.run import environment as engine_environment
