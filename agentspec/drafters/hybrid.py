@@ -52,6 +52,7 @@ from agentspec.kv import ModelState
 # agent traces offline (docs/benchmarks.md, "Design probes") gave +6-10% over 1x in every domain,
 # with 2-4 alike.
 CANDIDATE_FACTOR = 3.0
+MODEL_RECALIBRATE = 16.0  # the draft model's calibration: a second stage per position (Calibration)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class DraftMemory:
     store: SuffixStore = field(default_factory=SuffixStore)  # earlier outputs
     suffix_calibration: Calibration = field(default_factory=lambda: Calibration(suffix_prior))
     lookup_calibration: Calibration = field(default_factory=lambda: Calibration(lookup_prior))
-    model_calibration: Calibration = field(default_factory=Calibration)
+    model_calibration: Calibration = field(default_factory=lambda: Calibration(recalibrate=MODEL_RECALIBRATE))
     # what a verify pass costs: in a pair's memories, the pair's one VerifyCost (TenantStore.verify)
     cost: VerifyCost = field(default_factory=VerifyCost)
 

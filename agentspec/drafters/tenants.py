@@ -57,7 +57,7 @@ def estimate(namespace: str | None, tenant: Tenant) -> int:
     """A tenant's bytes (see the constants above); reads counts only, without its memory's locks."""
     m = tenant.memory
     index = m.store.index
-    cells = len(m.suffix_calibration.cells) + len(m.model_calibration.cells)
+    cells = len(m.suffix_calibration.cells) + len(m.model_calibration.cells) + len(m.model_calibration.second)
     return (
         BASE_BYTES
         + len(namespace or "")

@@ -196,6 +196,23 @@ def test_calibration_learns_acceptance_per_confidence_and_group():
     assert cal(0.5, group=positioned(2, 1)) > 0.9  # judged only after a first token accepted
 
 
+def test_a_second_stage_learns_what_the_first_stages_estimates_turned_out_to_be():
+    """A first stage stuck at 0.85 (a prior too heavy to move) accepted half the time where it says so:
+    the second stage, per position, moves to 0.5 where it has seen them; it keys its cells by the
+    estimates the schedule read, so a fresh copy and other positions keep the first stage's."""
+    cal = Calibration(prior=lambda c, group: 0.85, weight=1e9, recalibrate=4.0)
+    assert cal(0.3) == pytest.approx(0.85)  # no evidence: the first stage's estimate
+    for i in range(200):  # one-token drafts: position 0 only
+        cal.observe([0.3], n_accepted=i % 2)
+    assert cal(0.3) == pytest.approx(0.5, abs=0.05) and cal(0.8) == pytest.approx(0.5, abs=0.05)
+    assert cal(0.3, group=positioned(0, 1)) == pytest.approx(0.85)  # position 1: unseen
+    assert cal.fresh()(0.3) == pytest.approx(0.85) and cal.fresh().recalibrate == 4.0
+    plain = Calibration(prior=lambda c, group: 0.85, weight=1e9)
+    plain.observe([0.3], n_accepted=0)
+    assert plain(0.3) == pytest.approx(0.85) and not plain.second  # no stage unless asked
+    assert DraftMemory().model_calibration.recalibrate > 0 == DraftMemory().suffix_calibration.recalibrate
+
+
 def test_isotonic_pools_violators():
     # (3, 2.0) and the heavier (5, 1.0) pool to 1.25, below (2, 1.5): all three pool to 6.5 / 5
     fitted = isotonic([(2, 1.5, 1.0), (3, 2.0, 1.0), (5, 1.0, 3.0), (9, 2.5, 1.0)])
