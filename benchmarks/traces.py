@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python -m benchmarks traces    # about 11 minutes on 2 cores
     python -m benchmarks traces --traces a,b --configs none,suffix,auto --max-new-tokens 48 --dtype bfloat16
     python -m benchmarks traces --rounds 3    # the traces 3 times, later rounds tagged (more evidence)
+    python -m benchmarks traces --replay results/traces_calibration_rounds.json --out replayed.json
 
 Replays the conversations of ``benchmarks.workloads.TRACES`` (inventory x2, SQL analytics, code editing,
 document Q&A: 22 assistant turns over 300-1,100-token prompts) with the embedded pair, greedily. At
@@ -32,15 +33,19 @@ Writes results/traces.json (per turn: the plain reply's text and ids and each co
 per configuration and per domain: tokens/s, acceptance, mean accepted length, speed ratio to plain by
 wall and CPU time; ``verdict``: auto against the best single drafter; ``calibration``: per configuration
 whose drafts carry survival estimates, their ECE and Brier score per draft source and position,
-``agentspec.bench.calibration``; ``observations``: each calibration's evidence in order, to replay
-other calibrators on) and traces.png beside it.
+``agentspec.bench.calibration``; ``observations``: each calibration's evidence in order) and
+traces.png beside it. ``--replay`` runs no model: it scores this checkout's calibrations on a run's
+recorded evidence (each configuration's, in order, through a fresh ``DraftMemory``), so a change to
+a calibration is compared on the same evidence before it is measured in a run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import agentspec
@@ -106,6 +111,19 @@ def run_call(pair, ids: list[int], config: str, memory: DraftMemory, n_new: int)
         "acceptance_histogram": list(s.acceptance_histogram), "cached_tokens": s.cached_tokens,
         **{key: dict(getattr(s, key)) for key in SOURCES},
     }  # fmt: skip
+
+
+def replayed(observations: dict[str, dict[str, list]]) -> dict[str, Any]:
+    """Each configuration's recorded evidence (a run's ``observations``) replayed through a fresh
+    ``DraftMemory``'s calibrations, this checkout's, and scored as a run's estimates are."""
+    out = {}
+    for config, kinds in observations.items():
+        memory, records = DraftMemory(), []
+        for kind, log in kinds.items():
+            source = kind if config in HYBRIDS else config  # as the run's steps name their drafts
+            records += calibration.replay(log, getattr(memory, f"{kind}_calibration"), source)
+        out[config] = calibration.report(records)
+    return out
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -251,7 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", default=None, help="comma-separated trace names (default: all)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, plain ('none') first")
     ap.add_argument("--rounds", type=int, default=1, help="replays of the traces (later ones tagged)")
+    ap.add_argument("--replay", help="a run's JSON: score this checkout's calibrations on its evidence")
     args = ap.parse_args(argv)
+    if args.replay:
+        run = json.loads(Path(args.replay).read_text())
+        result = {"benchmark": "traces: calibrations replayed", "evidence": args.replay,
+                  "evidence_environment": run["environment"], "environment": harness.environment(),
+                  "calibration": replayed(run["observations"])}  # fmt: skip
+        harness.write(args.out, result)
+        return 0
     harness.set_threads(args.threads)
     configs = [c for c in args.configs.split(",") if c]
     assert configs[0] == "none", "the first configuration must be the plain baseline"

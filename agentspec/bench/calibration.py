@@ -41,6 +41,19 @@ def outcomes(steps: Iterable[Any]) -> list[tuple[str, int, float, bool]]:
     return out
 
 
+def replay(log: Iterable[Any], calibration: Any, source: str) -> list[tuple[str, int, float, bool]]:
+    """``outcomes``' records for recorded evidence replayed through ``calibration`` (a ``Calibration``):
+    ``log`` holds [confidences, accepted, groups] per verified draft, in order; each draft's
+    estimates are read before its verification is learnt, as in a run."""
+    out = []
+    for confidences, accepted, groups in log:
+        groups = groups or [0] * len(confidences)
+        estimates = [calibration(c, g) for c, g in zip(confidences, groups)]
+        out += [(source, j, a, j < accepted) for j, a in enumerate(estimates[: accepted + 1])]
+        calibration.observe(confidences, accepted, groups)
+    return out
+
+
 def scores(pairs: list[tuple[float, bool]]) -> dict[str, Any]:
     """Count, base rate, mean estimate, Brier score, the base rate's Brier score, ECE and its noise
     floor of (estimate, accepted) pairs."""

@@ -11,6 +11,7 @@ import torch
 import agentspec
 from agentspec.bench import calibration
 from agentspec.decode import Step
+from agentspec.drafters.schedule import Calibration
 
 
 def step(estimates: list[float] | None, accepted: int, source: str = "suffix") -> Step:
@@ -46,6 +47,17 @@ def test_ece_noise_is_what_perfect_estimates_show_on_as_many_outcomes():
     wrong = calibration.scores([(min(1.0, p + 0.15), y) for p, y in many])
     assert wrong["ece_p"] == 0.0 and wrong["ece"] > 0.1
     assert calibration.scores(few) == f  # seeded: the same pairs score the same
+
+
+def test_replay_reads_each_drafts_estimates_before_learning_from_it():
+    log = [[[0.9, 0.9], 0, [0, 1]], [[0.9, 0.9], 2, [0, 1]]]  # a miss at once, then both accepted
+    records = calibration.replay(log, Calibration(), "model")
+    fresh = Calibration()
+    assert records[0] == ("model", 0, pytest.approx(fresh(0.9, 0)), False)
+    fresh.observe([0.9, 0.9], 0, [0, 1])
+    assert fresh(0.9, 0) < 0.9
+    assert records[1:] == [("model", 0, pytest.approx(fresh(0.9, 0)), True),
+                           ("model", 1, pytest.approx(fresh(0.9, 1)), True)]  # fmt: skip
 
 
 def test_report_splits_sources_and_positions():
