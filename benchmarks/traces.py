@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,7 @@ import agentspec
 from agentspec.bench import calibration
 from agentspec.bench.conversation import prompt_ids
 from agentspec.drafters import DraftMemory, HybridDrafter, build_drafter
-from agentspec.drafters.prompt_lookup import lookup_prior
 from agentspec.drafters.schedule import Calibration
-from agentspec.drafters.suffix import suffix_prior
 from benchmarks import harness, workloads
 from benchmarks.workloads import calls
 
@@ -62,6 +60,7 @@ CONFIGS = ("none", "prompt_lookup", "suffix", "model", "model_scheduled", "auto"
 HYBRIDS = ("auto", "auto_no_model")
 NUM_DRAFT_TOKENS = {"prompt_lookup": 4, "model": 2, "adaptive": None}  # None: the drafter's own cap
 MODEL_EVERY = 2  # the fixed-length model runs on every 2nd turn
+KINDS = ("suffix", "lookup", "model")  # a DraftMemory's calibrations: <kind>_calibration
 SOURCES = ("source_steps", "source_draft_tokens", "source_accepted_tokens")
 CONVENTIONS = {
     "tokens_per_s": "output tokens / wall time of the calls (prompt restored from the prefix cache)",
@@ -86,11 +85,14 @@ class Logged(Calibration):
 
 
 def logged_memory() -> DraftMemory:
-    return DraftMemory(
-        suffix_calibration=Logged(suffix_prior),
-        lookup_calibration=Logged(lookup_prior),
-        model_calibration=Logged(),
-    )
+    """A fresh ``DraftMemory`` whose calibrations, each set up as the library sets it, keep their
+    evidence too."""
+    memory = DraftMemory()
+    for kind in KINDS:
+        made = getattr(memory, f"{kind}_calibration")
+        logged = Logged(**{f.name: getattr(made, f.name) for f in fields(made)})
+        setattr(memory, f"{kind}_calibration", logged)
+    return memory
 
 
 def run_call(pair, ids: list[int], config: str, memory: DraftMemory, n_new: int) -> dict[str, Any]:
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": {**env, "load_average_end": list(os.getloadavg())},
         "all_identical": all(t["identical"] for t in turns), "verdict": verdict(totals, configs),
         "calibration": {c: calibration.report(r) for c, r in survival.items() if r},
-        "observations": {c: {kind: cal.log for kind in ("suffix", "lookup", "model")
+        "observations": {c: {kind: cal.log for kind in KINDS
                              if (cal := getattr(m, f"{kind}_calibration")).log}
                          for c, m in memories.items()},
         "aggregate": totals,

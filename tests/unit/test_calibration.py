@@ -11,6 +11,7 @@ import torch
 import agentspec
 from agentspec.bench import calibration
 from agentspec.decode import Step
+from agentspec.drafters import DraftMemory
 from agentspec.drafters.schedule import Calibration
 
 
@@ -58,6 +59,21 @@ def test_replay_reads_each_drafts_estimates_before_learning_from_it():
     assert fresh(0.9, 0) < 0.9
     assert records[1:] == [("model", 0, pytest.approx(fresh(0.9, 0)), True),
                            ("model", 1, pytest.approx(fresh(0.9, 1)), True)]  # fmt: skip
+
+
+def test_the_traces_suite_logs_the_calibrations_the_library_makes():
+    """Its evidence is learnt by calibrations set up as a pair's memory sets them (a draft model's
+    second stage included), so a run measures the library's estimates."""
+    from dataclasses import fields
+
+    from benchmarks.traces import KINDS, logged_memory
+
+    logged, made = logged_memory(), DraftMemory()
+    for kind in KINDS:
+        a, b = getattr(logged, f"{kind}_calibration"), getattr(made, f"{kind}_calibration")
+        assert [getattr(a, f.name) for f in fields(b)] == [getattr(b, f.name) for f in fields(b)]
+    logged.model_calibration.observe([0.9, 0.8], 1, [0, 1])
+    assert logged.model_calibration.log == [[[0.9, 0.8], 1, [0, 1]]] and logged.model_calibration.second
 
 
 def test_report_splits_sources_and_positions():
