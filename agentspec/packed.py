@@ -22,6 +22,7 @@ Here a sequence's keys are read where they are; a state keeps its own layout (``
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ import torch
 
 from agentspec.attention import grouped_sdpa_forward, invariant_rows
 from agentspec.forward import side_by_side
-from agentspec.kv import ModelState, PassIds
+from agentspec.kv import ModelState, PassIds, common_prefix_len
 
 
 def packable(state: ModelState) -> bool:
@@ -164,13 +165,27 @@ class Rendezvous:
     per draft position for all the calls, not one per call. A thread leaves (``leave``) when its
     drafting is done. A packed pass that fails is run again step by step, so only a call whose own
     step fails gets its error. ``steps`` and ``passes`` count what it ran (steps asked, passes run).
+
+    Draft models catch up on a call's prompt in a step, so calls that start together after one system
+    prompt would each compute its draft rows: as the scheduler does for the target's, a step copies
+    the rows of its new tokens that a draft state of its namespace (``enter``) holds, or that another
+    step computes (then after that one, in a second pass: ``_sharing``); ``shared`` counts the rows.
     """
 
-    def __init__(self, parties: int):
+    def __init__(self, parties: int, share: bool = True):
         self.active = parties  # threads still drafting
-        self.steps = self.passes = 0
+        self.share = share  # draft models' steps copy the prompt rows another holds or computes
+        self.steps = self.passes = self.shared = 0
+        self._states: dict[int, Any] = {}  # the draft states entered, by id
+        self._namespaces: dict[int, str | None] = {}  # id(draft state) -> its call's namespace
         self._cond = threading.Condition()
         self._waiting: list[Job] = []
+
+    def enter(self, state: Any, namespace: str | None) -> None:
+        """``state`` drafts for a call of ``namespace``: its steps share prompt rows within it only."""
+        state.batcher = self
+        self._states[id(state)] = state
+        self._namespaces[id(state)] = namespace
 
     def forward(self, state: ModelState, new: PassIds, keep: int, features: tuple[int, ...]) -> Any:
         """``state.forward_now(new, keep, features)``, packed with the other threads' passes of its model."""
@@ -207,8 +222,89 @@ class Rendezvous:
         with torch.inference_mode():
             for group in by_key.values():
                 self.steps += len(group)
-                self.passes += _run(group)
+                self.passes += self._sharing(group)
         self._cond.notify_all()
+
+    def _sharing(self, group: list[Job]) -> int:
+        """Run ``group`` (``_run``) once its draft-model steps have copied what they can: first the
+        prompt rows a state of this meeting already holds, then, in a second pass after the first,
+        those another step computes in it (``_followers``). Returns the passes run."""
+        if not self.share:
+            return _run(group)
+        copying = [job for job in group if _copies(job)]
+        for job in copying:
+            state, new, keep = job.payload
+            donor, end = self._holder(state, new, keep)
+            if donor is not None:
+                self._take(job, donor, end)
+        followers = self._followers(copying)
+        if not followers:
+            return _run(group)
+        passes = _run([job for job in group if id(job) not in followers])
+        for job in copying:
+            if id(job) in followers:
+                leader, end = followers[id(job)]
+                if leader.error is None:
+                    self._take(job, leader.payload[0], end)
+        return passes + _run([job for job in copying if id(job) in followers])
+
+    def _holder(self, state: ModelState, new: PassIds, keep: int) -> tuple[ModelState | None, int]:
+        """The state of this meeting (of ``state``'s model and namespace) that holds the longest run of
+        ``new``'s rows, and the position it holds them to (at most all but the rows read)."""
+        at, ids = len(state.ids), state.ids + new.host
+        best, end = None, at
+        for other in self._states.values():
+            if other is state or self._namespaces[id(other)] != self._namespaces[id(state)]:
+                continue
+            if not isinstance(other, ModelState) or other.model is not state.model or len(other.ids) <= end:
+                continue
+            n = min(common_prefix_len(other.ids, ids), len(ids) - max(keep, 1))
+            if n > end:
+                best, end = other, n
+        return best, end
+
+    def _followers(self, jobs: list[Job]) -> dict[int, tuple[Job, int]]:
+        """Of ``jobs``, those whose new rows, at least half of them, another of their namespace computes
+        from the same position: by id(job), (that job, the position it copies to)."""
+        computing: list[tuple[Job, list[int]]] = []
+        followers: dict[int, tuple[Job, int]] = {}
+        for job in jobs:
+            state, new, keep = job.payload
+            at, ids = len(state.ids), state.ids + new.host
+            space = self._namespaces[id(state)]
+            lead = next(
+                (
+                    (other, min(common_prefix_len(ids, theirs, at), len(ids) - max(keep, 1)))
+                    for other, theirs in computing
+                    if self._namespaces[id(other.payload[0])] == space and other.payload[0].ids == state.ids
+                ),
+                None,
+            )
+            if lead is not None and 2 * (lead[1] - at) >= len(new):
+                followers[id(job)] = lead
+            else:
+                computing.append((job, ids))
+        return followers
+
+    def _take(self, job: Job, donor: ModelState, end: int) -> None:
+        """``job``'s state copies ``donor``'s rows up to ``end``; the job then feeds only the rest."""
+        state, new, keep = job.payload
+        try:
+            taken = state.take_rows(donor, end)
+        except Exception:  # it computes them instead: a copy only saves work
+            taken = 0
+        if taken:
+            self.shared += taken
+            rest = PassIds(new.host[taken:])
+            job.payload, job.alone = (state, rest, keep), functools.partial(state.forward_now, rest, keep)
+
+
+def _copies(job: Job) -> bool:
+    """A draft model's packed step of host ids (its catch-up on a prompt): one that may copy rows."""
+    if job.together is not _forward_together:
+        return False
+    state, new, _ = job.payload
+    return new.device is None and not state.unread and len(new) > 1
 
 
 def one_product(

@@ -152,6 +152,7 @@ class SchedulerStats:
     members: int = 0  # member shares over all those forwards (members per pass = members / passes)
     trimmed: int = 0  # draft tokens drafted but not verified: their rows did not pay in a shared pass
     shared: int = 0  # prompt rows copied from another running call's state, not computed
+    draft_shared: int = 0  # the same, of draft models' states (``packed.Rendezvous``)
     deferred: int = 0  # member shares that sat out a pass to copy, at the next, rows another computes
     # drafting threads' model steps (draft model or head) asked, and the passes that ran them: packed,
     # a pass runs one step of every call drafting at once (steps per pass = draft_steps / draft_passes)
@@ -173,7 +174,7 @@ def _drafted(meeting: Rendezvous, member: Member, chunk: int | None, cap: int | 
     state = member.draft_state()
     try:
         if state is not None:
-            state.batcher = meeting
+            meeting.enter(state, member.namespace)
         return _share(member, chunk, cap)
     finally:
         if state is not None:
@@ -488,11 +489,12 @@ class Scheduler:
         shares: list = []
         for wave in range(0, len(members), DRAFTING_THREADS):  # every thread of a wave runs at once
             group = members[wave : wave + DRAFTING_THREADS]
-            meeting = Rendezvous(len(group))
+            meeting = Rendezvous(len(group), share=self.share_prompts)
             futures = [self._drafting.submit(_drafted, meeting, m, chunk, cap) for m in group]
             shares += [f.result() for f in futures]
             self.stats.draft_steps += meeting.steps
             self.stats.draft_passes += meeting.passes
+            self.stats.draft_shared += meeting.shared
         return shares
 
     def _fail(self, member: Member, exc: BaseException) -> None:

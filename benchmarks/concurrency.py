@@ -5,7 +5,7 @@
     python -m benchmarks concurrency --part fleet      # single, fleet_hash, fleet_rr and vLLM
     python -m benchmarks concurrency --part join [--chunks 0,256,64,32] [--prompt-tokens 4000] [--calls 4]
     python -m benchmarks concurrency --part batch [--prompts 8] [--rounds 2]
-    python -m benchmarks concurrency --part shared_prompt [--calls 8] [--rounds 2]
+    python -m benchmarks concurrency --part shared_prompt [--calls 8] [--rounds 2] [--draft-model PATH]
 
 ``sessions`` (the default; an hour or more on 2 CPU cores) and ``fleet`` (20-30 minutes): K sessions
 at once replay the agent traces turn by turn (``workloads.sessions``: session i replays trace i mod 5,
@@ -60,7 +60,9 @@ its tools included) and a question each, greedy, on a fresh pair per mode, round
 goes first: ``shared`` (the scheduler copies a prompt's rows another call holds, ``share_prompts``),
 ``unshared`` (each computes its own) and ``one_after_another`` (the solo replies). Per mode: wall
 time, the rows copied, and ``prefix_rows_computed``: the rows of the calls' common prefix the target
-computed (once: the common prefix less what the prefix cache held; unshared: once per call).
+computed (once: the common prefix less what the prefix cache held; unshared: once per call). With
+``--draft-model`` the calls draft with that model, whose prompt rows are copied in flight too
+(``scheduler.draft_shared``).
 
 Writes ``results/concurrency.json`` (one key per part) and ``concurrency_<part>.png`` for the sessions.
 """
@@ -157,7 +159,7 @@ def at_once(name: str, k: int, traces, ask, workers: int | None = None) -> tuple
 def scheduler_work(pair, before: dict[str, int] | None = None) -> dict[str, Any]:
     """The scheduler's passes, member shares and rows so far, or since ``before``, and both per pass."""
     stats = pair.scheduler.stats
-    fields = ("passes", "members", "rows", "trimmed", "draft_steps", "draft_passes")
+    fields = ("passes", "members", "rows", "trimmed", "draft_steps", "draft_passes", "draft_shared")
     work = {f: getattr(stats, f, 0) - (before or {}).get(f, 0) for f in fields}
     per_pass = {f"{f}_per_pass": round(work[f] / work["passes"], 3) if work["passes"] else None
                 for f in ("members", "rows")}  # fmt: skip
@@ -553,15 +555,16 @@ SHARED_MODES = {  # mode: (the calls at once, the scheduler's share_prompts)
 }
 
 
-def one_system_prompt(mode: str, k: int, dtype: str, n_new: int) -> dict[str, Any]:
+def one_system_prompt(mode: str, k: int, dtype: str, n_new: int, draft_model: str | None) -> dict[str, Any]:
     """k agent calls with ``INVENTORY_1``'s system prompt (its tools included) and a question each,
-    at once or one after another, on a fresh pair: wall time, each call's prompt and cached tokens
-    (restored or copied from a call beside it), the rows the scheduler copied, the replies."""
+    at once or one after another, on a fresh pair (``draft_model``: drafting with that model): wall
+    time, each call's prompt and cached tokens (restored or copied from a call beside it), the rows the
+    scheduler copied (``scheduler.draft_shared``: a draft model's), the replies."""
     import agentspec
     from langchain_agentspec import ChatSpecDecode
 
     together, share = SHARED_MODES[mode]
-    pair = agentspec.load_pair(dtype=dtype)
+    pair = agentspec.load_pair(draft_model=draft_model, dtype=dtype)
     pair.scheduler.share_prompts = share
     llm = ChatSpecDecode(pair=pair, max_tokens=n_new)
     harness.in_process(llm, [{"role": "user", "content": "Hi"}])  # first-call costs out of the timing
@@ -610,7 +613,7 @@ def shared_prompt_part(args) -> dict[str, Any]:
     rounds: list[dict] = []
     for r in range(args.rounds):
         row = {
-            mode: one_system_prompt(mode, k, args.dtype, n_new)
+            mode: one_system_prompt(mode, k, args.dtype, n_new, args.draft_model)
             for mode in harness.rotated(list(SHARED_MODES), r)
         }
         solo = [t["text"] for t in row["one_after_another"]["turns"]]
@@ -622,7 +625,9 @@ def shared_prompt_part(args) -> dict[str, Any]:
         rounds.append(row)
     return {
         "benchmark": f"{k} agent calls starting together with one system prompt: its rows computed once",
-        "environment": harness.environment(agentspec.load_pair(dtype=args.dtype)),
+        "environment": harness.environment(
+            agentspec.load_pair(draft_model=args.draft_model, dtype=args.dtype)
+        ),
         "max_tokens": n_new,
         "rounds": rounds,
         "median_unshared_over_shared_wall": statistics.median(r["unshared_over_shared_wall"] for r in rounds),
@@ -658,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     batch = ap.add_argument_group("batch")
     batch.add_argument("--prompts", type=int, default=8)
     batch.add_argument("--rounds", type=int, default=2, help="(shared_prompt too)")
+    shared = ap.add_argument_group("shared_prompt")
+    shared.add_argument("--draft-model", help="a draft model to draft with (default: the embedded pair's)")
     args = ap.parse_args(argv)
     harness.set_threads(args.threads)
     harness.write(args.out, PARTS[args.part](args), part=args.part)

@@ -474,11 +474,14 @@ def shared_prompts(n: int) -> list[list[int]]:
     return [SYSTEM + [i] + [(5 * i + j) % 60 + 2 for j in range(3 + i)] for i in range(n)]
 
 
-def rows_fed(pair: ModelPair, run) -> tuple[object, int]:
-    """``run()``'s result, and the rows the target computed for it (every forward embeds its rows once)."""
+def rows_fed(pair: ModelPair, run, model: str = "target") -> tuple[object, int]:
+    """``run()``'s result, and the rows the pair's ``model`` ("target" or "draft") computed for it
+    (every forward embeds its rows once)."""
     rows: list[int] = []
-    hook = pair.target.get_input_embeddings().register_forward_hook(
-        lambda _m, args, _o: rows.append(args[0].numel())
+    hook = (
+        getattr(pair, model)
+        .get_input_embeddings()
+        .register_forward_hook(lambda _m, args, _o: rows.append(args[0].numel()))
     )
     try:
         return run(), sum(rows)
@@ -518,6 +521,34 @@ def test_calls_starting_together_with_one_system_prompt_compute_it_once(bpair, m
     assert rows_off - rows_on == 5 * len(SYSTEM)
 
 
+@pytest.mark.parametrize("chunk", [8, 1000], ids=["chunked", "whole"])
+def test_draft_models_starting_together_compute_their_system_prompt_once(
+    bpair, monkeypatch, hf_greedy, chunk
+):
+    """Six calls drafting with the draft model start together after one system prompt: the draft
+    rows of the prompt that one call computes or holds, the others copy (``packed.Rendezvous``), both
+    where the target's prompts are fed in chunks and in one pass; every reply is its solo one."""
+    monkeypatch.setattr(bpair.scheduler, "prefill_chunk", chunk)
+    prompts = shared_prompts(6)
+
+    def together(share: bool) -> tuple[int, int]:
+        monkeypatch.setattr(bpair.scheduler, "share_prompts", share)
+        shared0 = bpair.scheduler.stats.draft_shared
+        calls = [
+            lambda p=p: agentspec.generate(bpair, p, "model", False, max_new_tokens=N_NEW) for p in prompts
+        ]
+        results, rows = rows_fed(bpair, lambda: start_together(bpair, calls), "draft")
+        for prompt, r in zip(prompts, results):
+            assert not isinstance(r, Exception), r
+            assert_same(bpair.target, prompt, r.token_ids, hf_greedy(bpair.target, prompt, N_NEW))
+        return rows, bpair.scheduler.stats.draft_shared - shared0
+
+    rows_on, shared_on = together(True)
+    rows_off, shared_off = together(False)
+    assert shared_off == 0 and shared_on == 5 * len(SYSTEM)  # the prompts share exactly SYSTEM
+    assert rows_off - rows_on >= shared_on - 2 * N_NEW  # a draft's own rows may vary with its lengths
+
+
 def test_calls_of_two_namespaces_never_share_their_prompt_rows(bpair, monkeypatch, hf_greedy):
     monkeypatch.setattr(bpair.scheduler, "prefill_chunk", 8)
     prompts = shared_prompts(4)
@@ -536,6 +567,21 @@ def test_calls_of_two_namespaces_never_share_their_prompt_rows(bpair, monkeypatc
     # two calls per namespace: each namespace computes the system prompt once, its other call copies it
     assert sorted(r.stats.shared_prefix_tokens for r in results) == [0, 0, len(SYSTEM), len(SYSTEM)]
     assert bpair.scheduler.stats.shared - shared0 == 2 * len(SYSTEM)
+
+
+def test_draft_models_of_two_namespaces_never_share_their_prompt_rows(bpair, monkeypatch, hf_greedy):
+    prompts = shared_prompts(4)
+    shared0 = bpair.scheduler.stats.draft_shared
+    calls = [
+        lambda p=p, i=i: agentspec.generate(
+            bpair, p, "model", False, namespace=f"t{i % 2}", max_new_tokens=N_NEW
+        )
+        for i, p in enumerate(prompts)
+    ]
+    for prompt, r in zip(prompts, start_together(bpair, calls)):
+        assert r.token_ids == hf_greedy(bpair.target, prompt, N_NEW)
+    # one namespace's first call computes them, its other copies (three would copy in one namespace)
+    assert bpair.scheduler.stats.draft_shared - shared0 == 2 * len(SYSTEM)
 
 
 def test_a_call_joining_copies_the_prompt_rows_of_a_call_decoding(bpair, hf_greedy):
