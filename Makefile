@@ -19,7 +19,7 @@ lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# the default suite: everything but tests marked slow (13 minutes on a 2-core AVX-512 EPYC, 31 on an
+# the default suite: everything but tests marked slow (17 minutes on a 2-core AVX-512 EPYC, 31 on an
 # AVX2 one); vllm for the tests against a vLLM worker
 test: setup vllm lint
 	$(BIN)/python -m pytest -m "not slow"
