@@ -14,7 +14,10 @@ drift hits both alike. ``--dtype`` loads both sides' pairs in that dtype (``auto
 default, recorded per side); ``--threads`` is each process's OMP_NUM_THREADS.
 
 - agents (default): one job per agent trace (the traces suite on that trace alone, ``--configs``) and
-  ``--loop-rounds`` jobs of the agent loop (ChatSpecDecode full and baseline beside ChatHuggingFace).
+  ``--loop-rounds`` jobs of the agent loop (ChatSpecDecode full and baseline beside ChatHuggingFace;
+  with ``--loop-apart`` each chat model in a process of its own, after the loop's warm-up: beside
+  ``ChatHuggingFace``'s generate() on one model, a side's own chat model can run slower or faster
+  than alone).
   The summary holds per configuration the decode seconds summed over the traces, and per chat model the
   seconds summed over the rounds, before / after (above 1: faster after); ``identical``: every
   configuration's replies equal plain decoding's on both sides. Each job also compares the replies of
@@ -60,6 +63,28 @@ calls = [(j, row["systems"]) for j, row in enumerate(ran["loop_rows"])]
 texts = [[f"{s} call {j}", systems[s]["text"]] for j, systems in calls for s in sorted(systems)]
 print(json.dumps({"loop": ran["loop"], "replies": texts, "dtype": str(pair.dtype)}))
 """
+# One chat model of the agent loop alone in its process (``--loop-apart``), in a checkout of either
+# layout: the loop's warm-up, then that model over the loop's calls; prints its seconds and replies
+LOOP_APART_RUN = """
+import importlib, json, sys
+from agentspec import load_pair
+from agentspec.bench.run import warm_up
+n, dtype, module, system = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+pair = load_pair(dtype=dtype)
+warm_up(pair, ["transformers generate", "agentspec none", "agentspec auto"])
+loop = importlib.import_module(module)
+if hasattr(loop, "chat_models"):
+    models = loop.chat_models(pair, n)
+    run = lambda m: loop.agent_loop(m)
+else:
+    models = loop.loop_systems(pair, n, cache_bytes=1 << 30)
+    run = lambda m: loop.agent_loop(pair, m)
+rows = run({system: models[system]}) if system in models else []
+texts = [[f"{system} call {j}", row["systems"][system]["text"]] for j, row in enumerate(rows)]
+seconds = sum(row["systems"][system]["seconds"] for row in rows)
+print(json.dumps({"seconds": seconds, "ran": bool(rows), "replies": texts, "dtype": str(pair.dtype)}))
+"""
+LOOP_SYSTEMS = ("agentspec full", "agentspec baseline", "ChatHuggingFace")
 # The pair's passes in a checkout: the target's through the forward its pairs call (``target_forward``;
 # a pair without one runs the model, inside ``kv.pass_rows``) and the EAGLE head's step with its scores
 # (through the pair's ``draft_head``; without one, the head's own modules inside ``kv.pass_rows``), each
@@ -187,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, help="per trace reply (default: each side's own)")
     ap.add_argument("--loop-max-new-tokens", type=int, default=16)
     ap.add_argument("--loop-rounds", type=int, default=1, help="agent-loop jobs, the order flipping each")
+    ap.add_argument(
+        "--loop-apart", action="store_true", help="each chat model of the loop in its own process"
+    )
     ap.add_argument("--pass-rounds", type=int, default=6, help="pass-timing jobs, the order flipping each")
     ap.add_argument("--pass-rows", default="1,5,17")
     ap.add_argument("--pass-repeats", type=int, default=15)
@@ -227,6 +255,8 @@ def run_job(kind: str, name: str, tree: Path, args, out: Path) -> dict[str, Any]
         argv = traces_job(tree, name, args.configs, args.dtype, out, args.max_new_tokens)
         seconds, _ = run_in(tree, argv, args.threads)
         return {"process_s": seconds, **trace_figures(out)}
+    if kind == "loop" and args.loop_apart:
+        return loop_apart(tree, args)
     if kind == "loop":
         seconds, stdout = run_in(tree, loop_job(tree, args.loop_max_new_tokens, args.dtype), args.threads)
         printed = last_json(stdout)
@@ -235,6 +265,36 @@ def run_job(kind: str, name: str, tree: Path, args, out: Path) -> dict[str, Any]
     argv = [sys.executable, "-c", PASS_RUN, dtype, args.pass_rows, str(args.pass_repeats)]
     seconds, stdout = run_in(tree, argv, args.threads)
     return {"process_s": seconds, **last_json(stdout)}
+
+
+def loop_apart(tree: Path, args) -> dict[str, Any]:
+    """The agent loop's job with each chat model in a process of its own (a model that the checkout
+    lacks, such as ``ChatHuggingFace`` without langchain-huggingface, left out): no model's calls
+    run beside another's on one pair in one process."""
+    module = loop_job(tree, args.loop_max_new_tokens, args.dtype)[-1]
+    out: dict[str, Any] = {"process_s": 0.0, "total_seconds": {}, "replies": []}
+    for system in LOOP_SYSTEMS:
+        argv = [
+            sys.executable,
+            "-c",
+            LOOP_APART_RUN,
+            str(args.loop_max_new_tokens),
+            args.dtype,
+            module,
+            system,
+        ]
+        seconds, stdout = run_in(tree, argv, args.threads)
+        printed = last_json(stdout)
+        out["process_s"] += seconds
+        if printed["ran"]:
+            out["total_seconds"][system] = printed["seconds"]
+            out["replies"] += printed["replies"]
+            out["dtype"] = printed["dtype"]
+    texts = {
+        system: [t for name, t in out["replies"] if name.startswith(system)] for system in LOOP_SYSTEMS[:2]
+    }
+    out["full_equals_baseline"] = texts["agentspec full"] == texts["agentspec baseline"]
+    return out
 
 
 def ratio(before: float, after: float) -> dict[str, float]:

@@ -71,3 +71,31 @@ def test_the_summary_sums_seconds_per_configuration_and_is_false_on_any_reply_di
     out = agents_summary(result)
     assert out["agent_traces"]["none"] == {"before_s": 6.0, "after_s": 4.0, "before_over_after": 1.5}
     assert out["identical"] and out["all_replies_identical"] is False
+
+
+def test_the_loop_apart_runs_each_chat_model_in_its_own_process(tmp_path, monkeypatch):
+    """``--loop-apart``: one process per chat model, its seconds and replies gathered as the loop's
+    job gives them; a model the checkout lacks is left out."""
+    import json
+    from argparse import Namespace
+
+    from benchmarks import before_after
+
+    tree = _tree(tmp_path, "benchmarks/loop.py")
+    ran = []
+
+    def run_in(where, argv, threads):
+        system = argv[-1]
+        ran.append((where, system, argv[-2], threads))
+        texts = {"agentspec full": "a", "agentspec baseline": "a"}
+        printed = {"seconds": 2.0, "ran": system in texts, "dtype": "torch.float32"}
+        printed["replies"] = [[f"{system} call 0", texts[system]]] if system in texts else []
+        return 5.0, "call 0: ...\n" + json.dumps(printed)
+
+    monkeypatch.setattr(before_after, "run_in", run_in)
+    out = before_after.loop_apart(tree, Namespace(loop_max_new_tokens=16, dtype="float32", threads=1))
+    assert [system for _, system, _, _ in ran] == list(before_after.LOOP_SYSTEMS)
+    assert {module for _, _, module, _ in ran} == {"benchmarks.loop"}
+    assert out["process_s"] == 15.0 and out["full_equals_baseline"] is True
+    assert out["total_seconds"] == {"agentspec full": 2.0, "agentspec baseline": 2.0}
+    assert out["replies"] == [["agentspec full call 0", "a"], ["agentspec baseline call 0", "a"]]
