@@ -14,6 +14,7 @@ reads back once, with its own result). Their positions are ``unread`` until ``se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,6 +50,21 @@ def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def longest_holder(states: Sequence[ModelState], ids: list[int], at: int) -> tuple[int | None, int]:
+    """Which of ``states`` holds the rows of ``ids`` furthest past position ``at`` (< ``len(ids)``),
+    by index, and to where (at most ``len(ids)``): where to copy them from (``ModelState.take_rows``)
+    instead of computing them. (None, at) where none goes past ``at``."""
+    best, end = None, at
+    for i, other in enumerate(states):
+        held = other.ids
+        if len(held) <= end or held[at] != ids[at]:  # it shares nothing past ``at``: no need to compare
+            continue
+        n = min(common_prefix_len(held, ids), len(ids))
+        if n > end:
+            best, end = i, n
+    return best, end
 
 
 def to_device(ids: list[int], device: torch.device) -> torch.Tensor:

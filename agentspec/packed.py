@@ -33,7 +33,7 @@ import torch
 
 from agentspec.attention import grouped_sdpa_forward, invariant_rows
 from agentspec.forward import side_by_side
-from agentspec.kv import ModelState, PassIds, common_prefix_len
+from agentspec.kv import ModelState, PassIds, common_prefix_len, longest_holder
 
 
 def packable(state: ModelState) -> bool:
@@ -251,17 +251,16 @@ class Rendezvous:
     def _holder(self, state: ModelState, new: PassIds, keep: int) -> tuple[ModelState | None, int]:
         """The state of this meeting (of ``state``'s model and namespace) that holds the longest run of
         ``new``'s rows, and the position it holds them to (at most all but the rows read)."""
-        at, ids = len(state.ids), state.ids + new.host
-        best, end = None, at
-        for other in self._states.values():
-            if other is state or self._namespaces[id(other)] != self._namespaces[id(state)]:
-                continue
-            if not isinstance(other, ModelState) or other.model is not state.model or len(other.ids) <= end:
-                continue
-            n = min(common_prefix_len(other.ids, ids), len(ids) - max(keep, 1))
-            if n > end:
-                best, end = other, n
-        return best, end
+        at, space = len(state.ids), self._namespaces[id(state)]
+        others = [
+            other
+            for other in self._states.values()
+            if other is not state and self._namespaces[id(other)] == space
+            and isinstance(other, ModelState) and other.model is state.model
+        ]  # fmt: skip
+        held, end = longest_holder(others, state.ids + new.host, at)
+        end = min(end, at + len(new) - max(keep, 1))  # the rows it reads logits of are its own
+        return (others[held], end) if held is not None and end > at else (None, at)
 
     def _followers(self, jobs: list[Job]) -> dict[int, tuple[Job, int]]:
         """Of ``jobs``, those whose new rows, at least half of them, another of their namespace computes

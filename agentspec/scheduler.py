@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentspec.cost import PairCost
-from agentspec.kv import ModelState, PassIds, common_prefix_len
+from agentspec.kv import ModelState, PassIds, common_prefix_len, longest_holder
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
 from agentspec.packed import Read, Rendezvous, Verdict, forward_packed, packable, read_verdicts
 from agentspec.threads import release_pool
@@ -462,20 +462,12 @@ class Scheduler:
         at = member.cached
         if at >= len(wanted):
             return
-        donor, end = None, at
-        for other in self.running:
-            ids = other.target.ids
-            if other is member or other.namespace != member.namespace or len(ids) <= end:
-                continue
-            if ids[at] != wanted[at]:  # it shares nothing past ``at``: no need to compare the rest
-                continue
-            n = min(common_prefix_len(ids, wanted), len(wanted))
-            if n > end:
-                donor, end = other, n
+        others = [o for o in self.running if o is not member and o.namespace == member.namespace]
+        donor, end = longest_holder([o.target for o in others], wanted, at)
         if donor is None:
             return
         try:
-            self.stats.shared += member.take_rows(donor, end)
+            self.stats.shared += member.take_rows(others[donor], end)
         except Exception:  # the member computes them instead: a copy only saves work
             log.warning("copying %d prompt rows from another call failed", end - at, exc_info=True)
 
