@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup vllm demo test test-all lint bench wheels gpu-wheels
+.PHONY: setup vllm demo test test-all lint bench wheels gpu-wheels gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -38,7 +38,12 @@ bench: setup
 wheels:
 	bash scripts/check_wheels.sh
 
-# the wheels a bare GPU machine lacks for benchmarks/gpu_check.py, into the git-ignored .whl/ (needs PyPI;
-# docs/benchmarks.md, "gpu-check", has the command to run there)
-gpu-wheels:
+# here, with PyPI: what a GPU machine without a network lacks for the device script, into the git-ignored
+# .whl/, .whl-train/ and .gpu-stage/ (docs/benchmarks.md, "gpu-check", has the calls to make there)
+gpu-wheels: setup
 	bash scripts/prepare_gpu.sh
+
+# there: the device check (at most 4 minutes by its own budget), then the embedded pair's EAGLE-3 head
+# trained on the whole response set (when its target is staged), into $OUT
+gpu-check:
+	bash scripts/gpu_check.sh

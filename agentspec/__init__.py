@@ -5,6 +5,7 @@ the LangChain chat model, is the distribution ``langchain-agentspec``:
 ``from langchain_agentspec import ChatSpecDecode``.
 """
 
+import agentspec.numerics  # noqa: F401  (first: it refuses a transformers older than the cache API)
 from agentspec.config import GenerationConfig
 from agentspec.decode import DecodeTimeout, GenerationResult, Step, decode_steps, generate, stream
 from agentspec.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter

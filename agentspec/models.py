@@ -38,6 +38,7 @@ from agentspec.lean import LeanForward
 from agentspec.lean import supported as lean_supported
 from agentspec.lean import supported_decoder as lean_supported_decoder
 from agentspec.linears import PassLinears
+from agentspec.numerics import pin_float32
 from agentspec.scheduler import PREFILL_CHUNK, PREFILL_CHUNKS, Scheduler
 from agentspec.static_kv import StaticState
 from agentspec.threads import release_pool
@@ -464,6 +465,8 @@ def load_pair(
     KV cache (``ModelPair.draft_cache``): "dynamic", "static" or "compiled". ``warm_up`` runs each
     kind of pass once before returning (``agentspec.warm``), so the first call is as fast as later ones.
     ``lean_forward=False`` keeps transformers' forward in agentspec's passes (``ModelPair.lean_forward``).
+    A float32 pair pins PyTorch's float32 products to full precision, process-wide (no TF32:
+    ``agentspec.numerics.pin_float32``), so that its greedy speculation is token-identical.
     """
     dev = torch.device(device) if device is not None else default_device()
     dt = _resolve_dtype(dtype, dev)
@@ -499,6 +502,8 @@ def load_pair(
         draft_cache=draft_cache,
         lean_forward=lean_forward,
     )
+    if pair.dtype == torch.float32:
+        pin_float32()  # token identity holds only where k-row and 1-row passes round alike
     if warm_up:
         log.info("warmed up %s in %.2f s", name, warm.warm_up(pair))
     return pair

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from agentspec.bench import runs
 from agentspec.kv import ModelState
 
 # fmt: off
@@ -65,8 +66,9 @@ def random_state(forward, cache_len: int, new_rows: int, seed: int = 0) -> tuple
     gen = torch.Generator().manual_seed(seed)
     state = ModelState(forward)
     ids = torch.randint(0, state.model.config.vocab_size, (cache_len + new_rows,), generator=gen).tolist()
-    with torch.inference_mode():
-        state.forward(ids[:cache_len], keep=1)
+    if cache_len:
+        with torch.inference_mode():
+            state.forward(ids[:cache_len], keep=1)
     return state, ids[cache_len:]
 
 
@@ -122,7 +124,9 @@ def _top_level(event) -> Iterator[Any]:
 
 def profile_passes(forward, cache_len: int, k: int, count: int) -> dict[str, Any]:
     """Where the time of a pass over k new rows goes: ``count`` passes under ``torch.profiler``,
-    the top-level ops' times (device time on a GPU) summed by ``category`` and by op, per pass."""
+    the top-level ops' times (device time on a GPU) summed by ``category`` and by op, per pass; and
+    what they ran (``ran``: kernels, the attention kernel SDPA took; ``agentspec.bench.runs``).
+    ``cache_len`` 0: a prefill of k rows."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     state, new = random_state(forward, cache_len, k)
@@ -137,7 +141,9 @@ def profile_passes(forward, cache_len: int, k: int, count: int) -> dict[str, Any
                 with record_function(RANGE):
                     walls.append(timed_ms(lambda: state.forward(new, keep=k), device))
                 state.truncate(cache_len)
-    return breakdown(prof.events(), walls, device)
+    ran = runs.read(prof.events(), device.type == "cuda").per(count)
+    ran.pop("syncs_per_pass"), ran.pop("syncs")  # each timed pass waits for the device on purpose
+    return breakdown(prof.events(), walls, device) | {"ran": ran}
 
 
 def breakdown(events, walls: list[float], device: torch.device) -> dict[str, Any]:

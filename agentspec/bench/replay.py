@@ -35,12 +35,13 @@ def expected_tokens_per_pass(acceptance: float, k: int) -> float:
 
 class ReplayDrafter(Drafter):
     """Proposes ``reference[len(seq):]`` (``reference``: prompt ids then the greedy output), each
-    position wrong where ``corrupted_positions`` says; ``draft_model`` runs one step per token."""
+    position wrong where ``corrupted_positions`` says; ``draft`` (a pair's ``draft_forward``, or a
+    model: transformers' forward) runs one step per token."""
 
     name = "replay"
 
-    def __init__(self, draft_model, reference: list[int], acceptance: float, seed: int, k: int, width: int):
-        self.state = ModelState(draft_model)
+    def __init__(self, draft, reference: list[int], acceptance: float, seed: int, k: int, width: int):
+        self.state = ModelState(draft)
         self.reference = reference
         self.acceptance = acceptance
         self.wrong = corrupted_positions(len(reference), acceptance, seed)
@@ -74,3 +75,6 @@ class ReplayDrafter(Drafter):
 
     def reset(self) -> None:
         self.state.reset()
+
+    def step_state(self) -> ModelState:
+        return self.state

@@ -11,10 +11,10 @@ import threading
 
 import pytest
 import torch
-from together import start_together
 
 import agentspec
 from agentspec import ModelPair
+from agentspec.bench.together import start_together
 from agentspec.distill.data import Example
 from agentspec.distill.eagle import collate_eagle, eagle_loss
 from agentspec.distill.student import build_eagle

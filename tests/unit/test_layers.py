@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
         "agentspec.stats",
         "agentspec.memory",
         "agentspec.threads",
+        "agentspec.numerics",
     ),
     # the tool-call parser, a distribution of its own that the engine and the integration both import
     ("agentspec_toolcalls",),

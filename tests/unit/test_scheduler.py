@@ -17,12 +17,12 @@ import pytest
 import torch
 from test_grammar import FORCED, LIST, pieces, reference
 from test_grammar import PROMPTS as GRAMMAR_PROMPTS
-from together import start_together
 
 import agentspec
 from agentspec import Draft, ModelPair
 from agentspec import grammar as G
 from agentspec.attention import use_grouped_sdpa
+from agentspec.bench.together import start_together
 from agentspec.cache import PrefixCache
 from agentspec.cost import DEFAULT_VERIFY_COST
 from agentspec.decode import DecodeTimeout
