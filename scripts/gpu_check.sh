@@ -11,7 +11,8 @@
 # in parts), head_verdict.json and the training's log.
 #   bash scripts/gpu_check.sh [all|check|train|stage]    (all: check, then train)
 # Environment: DEVICE (cuda), CHECK_BUDGET_S (240), TRAIN_MINUTES (3.5), QUICK=1 (toy sizes: the
-# rehearsal on a CPU, with DEVICE=cpu), PYTHON (python3).
+# rehearsal on a CPU, with DEVICE=cpu; TRAIN_ARGS="--eval-examples 4" keeps its training short too),
+# TRAIN_ARGS (more options of speculators_train.py), PYTHON (python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
@@ -64,7 +65,7 @@ train() {
     PYTHONPATH="$TRAIN_SITE" "$PY" agentspec/distill/speculators_train.py "$folder" \
         agentspec/distill/responses_data/smollm2-135m-instruct.safetensors "$work" \
         --init agentspec/drafts/smollm2-135m-instruct-eagle3 --device "$DEVICE" \
-        --minutes "${TRAIN_MINUTES:-3.5}" 2>&1 | tee "$OUT/train.log"
+        --minutes "${TRAIN_MINUTES:-3.5}" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log"
     [ -f "$work/training.json" ] || return 1
     mkdir -p "$OUT/head"
     cp "$work/config.json" "$work/training.json" "$OUT/head/"
