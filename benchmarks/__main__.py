@@ -30,6 +30,10 @@ SUITES = {
     "pass": ("forward_pass", "one target pass and one decode step against the bound and vLLM's step"),
     "gpu-check": ("gpu_check", "the device check: identity, syncs, verify cost, compiled pass, speed"),
     "before-after": ("before_after", "two checkouts side by side: traces, the loop, the pass"),
+    "route": (
+        "route",
+        "the functions and files one call runs, counted by a profiler, in this and other checkouts",
+    ),
 }
 
 
