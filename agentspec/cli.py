@@ -109,10 +109,15 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Measure the pair the options name (default: the embedded one) against the baselines."""
+    from agentspec.bench.own_pair import PairError, draft_source, load
     from agentspec.bench.run import Settings, run
 
     settings = Settings(
         mode="full" if args.full else "quick",
+        model=args.model,
+        draft_model=draft_source(args),
+        drafter=args.drafter,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats or 1,
         out=Path(args.out),
@@ -121,7 +126,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         static_compiled=args.static_compiled,
     )
-    result = run(settings)
+    try:
+        pair = load(args)
+    except PairError as exc:
+        print(f"agentspec bench: {exc}", file=sys.stderr)
+        return 2
+    result = run(settings, pair)
     print(Path(settings.out).with_suffix(".md").read_text())
     print("wrote", Path(settings.out).with_suffix(".json"), *result["plots"])
     return 0 if all(result["single"]["identical_to_generate"].values()) else 1
@@ -235,8 +245,8 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    """The ``bench`` verb: agentspec against the baselines on the same work."""
-    from agentspec.bench.run import add_dtype_argument
+    """The ``bench`` verb: agentspec against the baselines on the same work, on any pair."""
+    from agentspec.bench.own_pair import add_pair_arguments
 
     b = sub.add_parser(
         "bench",
@@ -249,8 +259,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--max-new-tokens", type=int, help="per single call (quick 24, full 96)")
     b.add_argument("--repeats", type=int, help="decodes per prompt and system (default 1)")
     b.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (needs llama-cpp-python)")
-    b.add_argument("--device", help="cpu, cuda, ... (default: CUDA when available)")
-    add_dtype_argument(b)
+    add_pair_arguments(
+        b,
+        drafter_default=None,
+        drafter_help="agentspec's rows: 'agentspec none' and this drafter's (default: a row per drafter "
+        "the pair can build)",
+    )
     b.add_argument(
         "--static-compiled",
         action=argparse.BooleanOptionalAction,

@@ -3,18 +3,23 @@
 Run it (a few minutes on 2 CPU cores; the embedded model is fetched on first use):
 
     .venv/bin/python examples/agent_demo.py [--tasks 6] [--threads 1] [--dtype auto|float32|bfloat16]
-        [--json results.json] [--otlp-endpoint http://127.0.0.1:6006]
+        [--model M] [--draft-model D | --no-draft-model] [--drafter auto] [--device cuda]
+        [--check-answers | --no-check-answers] [--json results.json]
+        [--otlp-endpoint http://127.0.0.1:6006]
 
 A ``langchain.agents.create_agent`` agent answers a maintainer's questions about a software project,
-Harbor, on the embedded SmolLM2-135M-Instruct. It has two real tools (they read a release log and an
-issue tracker held in this file, as JSON records) and answers with a structured reply (a pydantic
-model): each question is one conversation (a LangGraph thread with a checkpointer) of two model
-calls, a tool call and the answer. The same agent then runs again on
+Harbor, on the embedded SmolLM2-135M-Instruct, or on the pair ``--model`` and ``--draft-model`` name
+(a hub id, a folder or a .gguf file each, as ``agentspec.load_pair`` takes them). It has two real tools
+(they read a release log and an issue tracker held in this file, as JSON records) and answers with a
+structured reply (a pydantic model): each question is one conversation (a LangGraph thread with a
+checkpointer) of two model calls, a tool call and the answer. The same agent then runs again on
 ``ChatSpecDecode(speculative=False, prefix_cache=False)`` (the same model and decoding loop, no drafts,
 no reuse) and the script prints:
 
-- each answer, checked against the record its tool returned (a wrong answer is printed as WRONG and
-  the script exits with status 1);
+- each answer, checked against the record its tool returned (a wrong answer is printed as WRONG; on
+  the embedded pair the script then exits with status 1, on a ``--model`` of the user's only with
+  ``--check-answers``: whether a model answers right is that model's quality, whereas identical
+  replies are agentspec's promise for any model);
 - the end-to-end speed-up, and whether every reply of the two runs was identical (greedy decoding is
   lossless: it must be);
 - a table built from the OpenTelemetry spans of every model call (kept in memory): latency, the time
@@ -46,9 +51,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import BaseModel, Field
 
-import agentspec
+from agentspec.bench.own_pair import PairError, add_pair_arguments, load
 from agentspec.bench.run import environment
 from agentspec.cost import calibrate
+from agentspec.drafters.registry import DEFAULT
 from agentspec.telemetry import attributes as A
 from langchain_agentspec import ChatSpecDecode
 
@@ -209,8 +215,11 @@ class Meter(AgentMiddleware):
         return response
 
 
-def run(llm: ChatSpecDecode, label: str, tasks: list) -> tuple[float, list[dict], Meter]:
-    """Every question as a conversation of its own (a thread: its spans carry the thread id)."""
+def run(
+    llm: ChatSpecDecode, label: str, tasks: list, keep_going: bool = False
+) -> tuple[float, list[dict], Meter]:
+    """Every question as a conversation of its own (a thread: its spans carry the thread id); with
+    ``keep_going``, one the agent cannot finish ends where it stopped (``converse``)."""
     meter = Meter(label)
     agent = create_agent(
         llm,
@@ -223,12 +232,27 @@ def run(llm: ChatSpecDecode, label: str, tasks: list) -> tuple[float, list[dict]
     start = time.perf_counter()
     for i, (question, _) in enumerate(tasks):
         config = {"configurable": {"thread_id": f"{label}-{i + 1}"}}
-        states.append(agent.invoke({"messages": [HumanMessage(question)]}, config))
+        states.append(converse(agent, question, config, keep_going))
     return time.perf_counter() - start, states, meter
+
+
+def converse(agent, question: str, config: dict, keep_going: bool) -> dict:
+    """The conversation of one question: the agent's final state, or with ``keep_going`` where an
+    error stopped it, that error in its ``error`` (another model than the embedded one may write a
+    reply the agent cannot use, a JSON answer cut at the token cap, say; the A/B goes on)."""
+    try:
+        return agent.invoke({"messages": [HumanMessage(question)]}, config)
+    except Exception as exc:
+        if not keep_going:
+            raise
+        stopped = {"messages": [], **agent.get_state(config).values}
+        return {**stopped, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def check(subject: str | int, state: dict) -> tuple[bool, str]:
     """Whether the agent's answer states what its tool returned about ``subject``, and a line saying so."""
+    if "error" in state:
+        return False, f"WRONG: the conversation stopped on {state['error']}"
     key = "version" if isinstance(subject, str) else "number"
     results = [m.content for m in state["messages"] if isinstance(m, ToolMessage)]
     records = [json.loads(r) for r in results if r.startswith("{")]
@@ -328,11 +352,14 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         help="torch CPU threads (default 1: batch-1 decoding of a 135M model gains little from more, "
         "and on a busy machine two threads spin against each other and time both runs badly)",
     )
+    add_pair_arguments(
+        parser, drafter_default=DEFAULT, drafter_help=f"the agentspec run's (default {DEFAULT})"
+    )
     parser.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16"),
-        default="auto",
-        help="the pair's weights and activations (default auto: load_pair's default for the device)",
+        "--check-answers",
+        action=argparse.BooleanOptionalAction,
+        help="a wrong answer makes the exit status 1 (default: on the embedded pair, not with --model: "
+        "wrong answers are still printed and counted)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures printed here to PATH")
     parser.add_argument(
@@ -343,78 +370,110 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The demo; 0 when every answer is right and both runs replied the same, else 1."""
-    args = arguments(argv)
-    torch.set_num_threads(args.threads)
-    tasks = TASKS[: args.tasks]
-    t_load = time.perf_counter()
-    pair = agentspec.load_pair(dtype=args.dtype)  # both agents share these weights
-    load_s = time.perf_counter() - t_load
-    print(f"loaded {pair.name} in {load_s:.1f} s ({pair.dtype}, {pair.device})")
-    print(f"{len(tasks)} question(s), replies capped at {args.max_tokens}")
+def a_b(pair, args: argparse.Namespace, tasks: list) -> dict[str, dict]:
+    """The agent on agentspec (speculative, prefix cache), then on plain decoding, both on ``pair``:
+    per run its seconds, conversations, meter and ``chat`` spans."""
     provider, memory = tracing(args.otlp_endpoint)
     calibrate(pair)  # fit the latency-saved estimate up front (tracing alone starts from a prior)
     # first-call costs
     ChatSpecDecode(pair=pair, max_tokens=4, prefix_cache=False, tracer_provider=provider).invoke("Warm up.")
     memory.clear()
-
     traced = {"pair": pair, "max_tokens": args.max_tokens, "tracer_provider": provider}
-    print("\nChatSpecDecode() (speculative, prefix cache):")
-    t_fast, states, m_fast = run(ChatSpecDecode(**traced), "agentspec", tasks)
-    spans = call_spans(memory)
-    memory.clear()
-    print("\nChatSpecDecode(speculative=False, prefix_cache=False):")
-    t_base, states_base, _ = run(
-        ChatSpecDecode(**traced, speculative=False, prefix_cache=False), "plain", tasks
-    )
-    spans_base = call_spans(memory)
+    plain = {"speculative": False, "prefix_cache": False}
+    shown = "" if args.drafter == DEFAULT else f"drafter={args.drafter!r}"
+    runs = {}
+    for label, options, title in (
+        ("agentspec", {"drafter": args.drafter}, f"ChatSpecDecode({shown}) (speculative, prefix cache)"),
+        ("plain", plain, "ChatSpecDecode(speculative=False, prefix_cache=False)"),
+    ):
+        print(f"\n{title}:")
+        seconds, states, meter = run(ChatSpecDecode(**traced, **options), label, tasks, keep_going=True)
+        runs[label] = {"seconds": seconds, "states": states, "meter": meter, "spans": call_spans(memory)}
+        memory.clear()
     provider.shutdown()  # flushes the OTLP export, if any
+    return runs
 
-    checks = [check(subject, state) for (_, subject), state in zip(tasks, states)]
-    for (question, _), state, (_, verdict) in zip(tasks, states, checks):
+
+def report(runs: dict[str, dict], tasks: list) -> dict:
+    """Print each answer and its check, the speed-up, the replies' identity and the span table; the
+    figures printed."""
+    fast, plain = runs["agentspec"], runs["plain"]
+    checks = [check(subject, state) for (_, subject), state in zip(tasks, fast["states"])]
+    for (question, _), state, (_, verdict) in zip(tasks, fast["states"], checks):
         print(f"\nQ: {question}\nA: {describe(state.get('structured_response'))}  [{verdict}]")
     right = sum(ok for ok, _ in checks)
-    same = [replies(s) for s in states] == [replies(s) for s in states_base]
+    same = [replies(s) for s in fast["states"]] == [replies(s) for s in plain["states"]]
+    t_fast, t_base = fast["seconds"], plain["seconds"]
     print(
         f"\n{right}/{len(tasks)} answers right; end to end: {t_base:.1f} s plain -> {t_fast:.1f} s with "
         f"agentspec = {t_base / t_fast:.2f}x speed-up; the two runs replied the same: {same}"
     )
-    total = lambda key: sum(c[key] for c in m_fast.calls)  # noqa: E731
+    calls = fast["meter"].calls
+    total = lambda key: sum(c[key] for c in calls)  # noqa: E731
     print(
         f"prompt tokens {total('prompt')}, read from the cache {total('cached')}; "
         f"output tokens {total('output')}, of which accepted drafts {total('accepted')}"
     )
     print("\nper call, from the OpenTelemetry spans of the agentspec run (saved: estimated against plain")
     print("decoding without cache; see agentspec/cost.py):")
-    print(call_table(spans, [c["what"] for c in m_fast.calls]))
-    saved = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans)
-    own = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in spans_base)
+    print(call_table(fast["spans"], [c["what"] for c in calls]))
+    saved = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in fast["spans"])
+    own = sum(s.attributes.get(A.LATENCY_SAVED, 0.0) for s in plain["spans"])
     print(
         f"total saved, estimated call by call: {saved:.1f} s; measured (plain run - agentspec run): "
         f"{t_base - t_fast:.1f} s. The plain run's estimate of its own saving: {own:+.1f} s (ideally 0)"
     )
+    return {
+        "questions": [q for q, _ in tasks],
+        "answers": [describe(s.get("structured_response")) for s in fast["states"]],
+        "right": right,
+        "same_replies": same,
+        "agentspec_s": round(t_fast, 3),
+        "plain_s": round(t_base, 3),
+        "speedup": round(t_base / t_fast, 3),
+        "saved_estimated_s": round(saved, 3),
+        "calls": calls,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The demo; 0 when both runs replied the same and every answer is right (where answers are
+    checked: ``--check-answers``), 1 when not, 2 when the options name a pair that does not load."""
+    args = arguments(argv)
+    torch.set_num_threads(args.threads)
+    tasks = TASKS[: args.tasks]
+    t_load = time.perf_counter()
+    try:
+        pair = load(args)  # both agents share these weights
+    except PairError as exc:
+        print(f"agent_demo: {exc}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t_load
+    print(
+        f"loaded {pair.name} in {load_s:.1f} s ({pair.dtype}, {pair.device}); draft model "
+        f"{pair.draft_name or 'none'}, drafter {args.drafter}"
+    )
+    print(f"{len(tasks)} question(s), replies capped at {args.max_tokens}")
+    figures = report(a_b(pair, args, tasks), tasks)
+    # the embedded pair answers these questions right; another model's answers are its own quality
+    checked = args.check_answers if args.check_answers is not None else args.model is None
     if args.json:
-        figures = {
+        run_of = {
             "model": pair.name,
+            "draft_model": pair.draft_name,
+            "drafter": args.drafter,
             "device": str(pair.device),
             "dtype": str(pair.dtype),
             "load_s": round(load_s, 3),  # load_pair's wall seconds
             "threads": args.threads,
-            "questions": [q for q, _ in tasks],
-            "answers": [describe(s.get("structured_response")) for s in states],
-            "right": right,
-            "same_replies": same,
-            "agentspec_s": round(t_fast, 3),
-            "plain_s": round(t_base, 3),
-            "speedup": round(t_base / t_fast, 3),
-            "saved_estimated_s": round(saved, 3),
-            "calls": m_fast.calls,
-            "environment": environment(pair),  # the CPU, threads, versions and commit it ran on
+            "answers_checked": checked,
         }
+        # the CPU, threads, versions and commit it ran on
+        figures = {**run_of, **figures, "environment": environment(pair)}
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
-    return 0 if right == len(tasks) and same else 1
+    right = figures["right"] == len(tasks)
+    return 0 if figures["same_replies"] and (right or not checked) else 1
 
 
 if __name__ == "__main__":

@@ -83,9 +83,10 @@ def fmt(x: Any, digits: int = 2) -> str:
 
 
 def where(env: dict[str, Any]) -> str:
-    """The model, machine and commit a run measured, for a report's first line."""
+    """The models, machine and commit a run measured, for a report's first line."""
     return (
-        f"{env['model']} on {env['cpu_model']} ({env['device']}, {env['dtype']}, "
+        f"{env['model']} (draft {env.get('draft_model') or 'none'}) on {env['cpu_model']} "
+        f"({env['device']}, {env['dtype']}, "
         f"{env['torch_threads']} threads), commit {env.get('git_commit') or '?'}"
         f"{' (dirty)' if env.get('git_dirty_paths') else ''}"
     )

@@ -1,9 +1,11 @@
-"""``agentspec bench``: every system on the same work, in one process, interleaved.
+"""``agentspec bench``: every system on the same work, in one process, interleaved, on the embedded
+pair or on the one ``--model`` and ``--draft-model`` name (``agentspec.bench.own_pair`` loads it).
 
 1. Single calls on chat prompts and agent turns (``workloads.PROMPTS``): transformers ``generate``,
    the same with a static cache and a compiled step (on CUDA by default, elsewhere where asked:
    compiling takes minutes on a small CPU), assisted generation with the pair's draft, prompt
-   lookup, and agentspec with each drafter; each row's tokens are compared with ``generate``'s.
+   lookup, and agentspec with each drafter (or "none" and ``--drafter``'s alone); each row's tokens
+   are compared with ``generate``'s.
 2. llama.cpp on the embedded GGUF file, when asked for and installed (reported apart).
 3. The roofline: read bandwidth, bytes per step, step times and the verify-cost curve.
 
@@ -54,6 +56,9 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
 @dataclass
 class Settings:
     mode: str = "quick"  # "quick" (under 5 minutes on 2 CPU cores) or "full"
+    model: str | None = None  # load_pair's: a hub id, folder or .gguf (None: the embedded target)
+    draft_model: str | bool | None = None  # load_pair's (None: the embedded draft, or none; False: none)
+    drafter: str | None = None  # agentspec's rows: "none" and this drafter's (None: every drafter's)
     max_new_tokens: int | None = None  # per single call (quick 24, full 96)
     repeats: int = 1  # decodes of each prompt per system
     out: Path = Path("benchmarks/results/bench")
@@ -203,14 +208,19 @@ def warm_up(pair, names: list[str], size: int | None = None) -> None:
         systems.run_single(pair, s, warm, 4, systems.own_state(pair, s, size))
 
 
-def run(settings: Settings) -> dict[str, Any]:
+def run(settings: Settings, pair=None) -> dict[str, Any]:
+    """Measure ``pair`` (default: the one ``settings`` names, loaded here) and write the results
+    beside ``settings.out``; the results, with the plots' paths."""
     settings = settings.resolved()
     t_start = time.perf_counter()
-    pair = agentspec.load_pair(device=settings.device, dtype=settings.dtype)
+    if pair is None:
+        pair = agentspec.load_pair(
+            settings.model, settings.draft_model, device=settings.device, dtype=settings.dtype
+        )
     env = environment(pair)
     prompts = [p for p in workloads.PROMPTS if settings.mode == "full" or p[0] in workloads.QUICK_PROMPTS]
     static = settings.static_compiled if settings.static_compiled is not None else pair.device.type == "cuda"
-    names = systems.single_call_systems(pair, static_compiled=static)
+    names = systems.single_call_systems(pair, static_compiled=static, drafter=settings.drafter)
     total = len(prompts) * len(names) * settings.repeats + 1
     warm_up(pair, names, cache_len(pair, prompts, settings))
     with tqdm(total=total, desc="agentspec bench", unit="run") as bar:

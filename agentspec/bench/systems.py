@@ -79,14 +79,18 @@ def different_widths(pair) -> bool:
     return pair.target.config.get_text_config().vocab_size != pair.draft.config.get_text_config().vocab_size
 
 
-def single_call_systems(pair, static_compiled: bool = False) -> list[str]:
-    """The single-call rows for ``pair``; ``static_compiled`` adds ``STATIC_COMPILED``."""
+def single_call_systems(pair, static_compiled: bool = False, drafter: str | None = None) -> list[str]:
+    """The single-call rows for ``pair``; ``static_compiled`` adds ``STATIC_COMPILED``; ``drafter``
+    keeps agentspec's rows to "agentspec none" and that drafter's (None: every drafter the pair has)."""
     names = ["transformers generate", *[STATIC_COMPILED] * static_compiled]
     if pair.draft is not None and not is_feature_head(pair.draft):  # assisted generation takes a token model
         names.append("transformers assisted")
     names.append("transformers prompt lookup")
+    wanted = AGENTSPEC_DRAFTERS if drafter is None else ("none", drafter)
     drafters = [
-        d for d in AGENTSPEC_DRAFTERS if pair.draft is not None or d not in ("model", "model_scheduled")
+        d
+        for d in AGENTSPEC_DRAFTERS
+        if d in wanted and (pair.draft is not None or d not in ("model", "model_scheduled"))
     ]
     return names + [f"agentspec {d}" for d in drafters]
 

@@ -82,7 +82,11 @@ def test_acceptance_by_position():
 
 
 def test_the_core_bench_imports_no_langchain():
-    code = "import agentspec.bench.run, sys; print([m for m in sys.modules if m.startswith('langchain')])"
+    # the bench's own-pair options too: `agentspec bench --model` needs no LangChain
+    code = (
+        "import agentspec.bench.run, agentspec.bench.own_pair, sys; "
+        "print([m for m in sys.modules if m.startswith('langchain')])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
