@@ -33,7 +33,7 @@ import torch
 
 from agentspec.attention import grouped_sdpa_forward, invariant_rows
 from agentspec.forward import side_by_side
-from agentspec.kv import ModelState, PassIds, common_prefix_len, longest_holder
+from agentspec.kv import ModelState, PassIds, common_prefix_len, longest_holder, to_device
 
 
 def packable(state: ModelState) -> bool:
@@ -121,7 +121,9 @@ def forward_packed(
     held = [len(s.ids) + s.unread for s in states]
     ids = torch.cat([n.tensor(device) for n in news], dim=1)  # [1, T]
     ends = itertools.accumulate(lengths)
-    rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, keeps)]).to(device)
+    # the kept rows' indices, staged pinned and copied without the host waiting (``kv.to_device``): a
+    # blocking copy from pageable memory would stall the stream every packed pass
+    rows = to_device([r for e, k in zip(ends, keeps) for r in range(e - k, e)], device)
     pack = PackedPass(states, held, lengths, device, forward.model.dtype)
     try:
         out = forward(ids, rows, pack=pack, features=features)
