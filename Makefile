@@ -33,8 +33,8 @@ bench: setup
 	$(BIN)/agentspec bench
 	$(BIN)/python -m benchmarks loop
 
-# the three distributions (agentspec-toolcalls, agentspec-decode, langchain-agentspec) built as wheels and
-# imported in a clean venv
+# docs/install.md's install lines (the three distributions by git URL, with and without the engine) run
+# against this checkout's last commit in clean venvs, then what they installed imported and called once
 wheels:
 	bash scripts/check_wheels.sh
 

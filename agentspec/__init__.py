@@ -37,4 +37,4 @@ __all__ = [
 ]
 
 
-__version__ = "0.1.0"
+__version__ = "0.1.0+git"  # the distribution's version (pyproject.toml)

@@ -23,9 +23,9 @@ else
   "${PIP[@]}" install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 
-# the tool-call parser (agentspec-toolcalls), which the other two depend on, first, so that pip takes
-# this checkout's rather than looking for it on an index; then the engine (agentspec-decode) and the
-# LangChain integration (langchain-agentspec); all three editable
-"${PIP[@]}" install -q -e ./toolcalls
-"${PIP[@]}" install -q -e ".[dev,serve]" -e "./integrations/langchain[local,remote,test]"
+# the three distributions, editable, in one pip command: the tool-call parser (agentspec-toolcalls), the
+# engine (agentspec-decode) and the LangChain integration (langchain-agentspec). Their pins on each other
+# (==0.1.0+git, which no index can serve: pyproject.toml) are met by the folders named here, which pip
+# takes for those names without asking an index.
+"${PIP[@]}" install -q -e ./toolcalls -e ".[dev,serve]" -e "./integrations/langchain[local,remote,test]"
 "$VENV/bin/agentspec" fetch
