@@ -289,7 +289,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from agentspec.serve.app import DEFAULT_MAX_NUM_SEQS
     except ImportError as exc:
         print(
-            f"agentspec serve: {exc}; install the extra: pip install 'agentspec-decode[serve]'",
+            f"agentspec serve: {exc}; install agentspec-decode's serve extra (docs/install.md)",
             file=sys.stderr,
         )
         return 2
@@ -350,7 +350,10 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     from agentspec.fleet.router import router_binary
 
     if router_binary() is None:
-        print("agentspec fleet: vllm-router is missing; pip install 'agentspec-decode[dev]'", file=sys.stderr)
+        print(
+            "agentspec fleet: vllm-router is missing: install agentspec-decode's dev extra (docs/install.md)",
+            file=sys.stderr,
+        )
         return 2
     # SIGTERM (a supervisor, a test) stops the workers as Ctrl-C does: through the Fleet's exit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -6,7 +6,7 @@ workers.py  a worker pinned to its share of the CPUs; ``Fleet``, the workers and
 vllm.py     a vLLM worker (its own environment, .venv-vllm: ``make vllm``) as a drop-in worker
 
 ``agentspec fleet`` on the command line runs one until interrupted. The router is the ``vllm-router``
-package (a dev extra: ``pip install 'agentspec-decode[dev]'``).
+package (the ``dev`` extra, docs/install.md).
 """
 
 from agentspec.fleet.router import router_command

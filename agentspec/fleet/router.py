@@ -77,7 +77,9 @@ def router_command(
         raise ValueError(f"{policy=} is not one of {POLICIES}")
     binary = binary or router_binary()
     if binary is None:
-        raise FileNotFoundError("vllm-router is not installed: pip install 'agentspec-decode[dev]'")
+        raise FileNotFoundError(
+            "vllm-router is not installed: agentspec-decode's dev extra brings it (docs/install.md)"
+        )
     return [
         binary,
         "--host", host,

@@ -2,7 +2,7 @@
 uvicorn).
 
 The engine side of the HTTP path, part of the core (its web dependencies are the ``serve`` extra:
-``pip install 'agentspec-decode[serve]'``). A request goes through the same request layer as the
+the ``serve`` extra, docs/install.md). A request goes through the same request layer as the
 in-process LangChain chat model (``agentspec.chat``: ``prepare``, ``reply_deltas``), so greedy
 replies over HTTP are the ones ``ChatSpecDecode`` gives for the same messages.
 

@@ -29,7 +29,8 @@ from agentspec.fleet.workers import cpu_shares, pinned
 openai = pytest.importorskip("openai", reason="the openai client (a dev dependency) is not installed")
 
 needs_router = pytest.mark.skipif(
-    router_binary() is None, reason="vllm-router is not installed: pip install 'agentspec-decode[dev]'"
+    router_binary() is None,
+    reason="vllm-router is not installed: agentspec-decode's dev extra brings it (docs/install.md)",
 )
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -50,7 +51,7 @@ QUESTIONS = (
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     if router_binary() is None:
-        pytest.skip("vllm-router is not installed: pip install 'agentspec-decode[dev]'")
+        pytest.skip("vllm-router is not installed: agentspec-decode's dev extra brings it (docs/install.md)")
     log_dir = tmp_path_factory.mktemp("fleet")
     with Fleet(2, threads_per_worker=1, worker_options=["--log-level", "warning"], log_dir=log_dir) as f:
         yield f
