@@ -8,7 +8,8 @@ package is one exporter of them:
   environment switches (opt-in message content, the conventions' draft names), and pure functions
   from a call's stats, request and reply to attribute dicts;
 - ``otel``: ``Telemetry`` (a caller's tracer and instruments) and ``CallTrace``, the glue that opens
-  a span per call (``chat {model}``, kind INTERNAL, child of the current span), records metric
+  a span per call (``chat {model}``, the model named by ``attributes.model_label``, never a local
+  path; kind INTERNAL, child of the parent the caller gives or of the current span), records metric
   points and costs nothing when no SDK is configured; ``traced_stream``, ``agentspec.stream`` with
   a span.
 
@@ -18,7 +19,9 @@ traced or not. Telemetry observes and never acts: a traced call runs exactly the
 untraced one runs, and tokenizes nothing. ``ChatSpecDecode(tracer_provider=..., meter_provider=...)`` keeps a
 ``Telemetry`` for its calls; by default it uses the global providers. Its spans carry the run's
 thread or session id as ``gen_ai.conversation.id`` (``langchain_agentspec.conversation``) and the
-reply's ``response_metadata["id"]`` as ``gen_ai.response.id``.
+reply's ``response_metadata["id"]`` as ``gen_ai.response.id``; under a LangChain tracer its span is
+a child of the tracer's span of the model run and leaves ``gen_ai.usage.*`` to it
+(``langchain_agentspec._run``), and ``langchain_agentspec.totals`` adds an agent run's calls up.
 """
 
 from agentspec.telemetry.otel import CallInfo, CallTrace, Telemetry, traced_stream

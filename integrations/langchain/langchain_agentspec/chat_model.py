@@ -47,7 +47,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
 from langchain_agentspec import _engine
-from langchain_agentspec._run import parent_context, run_conversation_id
+from langchain_agentspec._run import late_parent, run_conversation_id, tracer_reports_usage
 from langchain_agentspec.messages import to_openai_messages
 from langchain_agentspec.structured import openai_response_format, structured_parser
 
@@ -222,6 +222,13 @@ class ChatSpecDecode(BaseChatModel):
     """OpenTelemetry MeterProvider for the calls' metrics. None: the global one. (Remote calls record
     no metrics: the server counts them.)"""
 
+    span_usage: bool | None = None
+    """Whether the ``chat {model}`` span carries ``gen_ai.usage.*``. None: unless a LangChain tracer
+    (OpenInference, OpenLLMetry, LangSmith's OpenTelemetry export) traces the call, whose LLM span
+    reports the same tokens, so that a backend adding up a trace's spans counts them once; True:
+    always; False: never. The metrics count usage either way. The same for a remote call's CLIENT
+    span."""
+
     base_url: str | None = None
     """An OpenAI-compatible endpoint (``agentspec serve``, ``vllm serve``, a router) as the openai
     client takes it, ``http://host:port/v1``: calls go there (``langchain_agentspec.remote``, the
@@ -293,7 +300,9 @@ class ChatSpecDecode(BaseChatModel):
         from langchain_agentspec.remote import Remote
 
         key = self.api_key.get_secret_value() if self.api_key is not None else None
-        self._remote = Remote(self.base_url, key, self.timeout, self.max_retries, self.tracer_provider)
+        self._remote = Remote(
+            self.base_url, key, self.timeout, self.max_retries, self.tracer_provider, self.span_usage
+        )
         return self
 
     def _checks_locally(self) -> bool:
@@ -804,21 +813,24 @@ class ChatSpecDecode(BaseChatModel):
         """The ``agentspec.telemetry.CallTrace`` of a call made from ``_stream``; with ``error``, a call
         that failed before decoding, recorded at once.
 
-        The span's parent is the current span, or the span a LangChain tracer opened for this run
-        (``_run.parent_context``); its ``gen_ai.conversation.id`` is the run's thread or session id
-        (``_run.run_conversation_id``).
+        The span's parent is the span a LangChain tracer opened for this run, or the current span
+        (``_run.late_parent``); its ``gen_ai.conversation.id`` is the run's thread or session id
+        (``_run.run_conversation_id``); it leaves ``gen_ai.usage.*`` to the tracer's span as
+        ``span_usage`` says.
         """
         telemetry = _engine.engine().telemetry
         chat = prepared.chat if prepared is not None else None
+        usage = self.span_usage if self.span_usage is not None else not tracer_reports_usage(run_manager)
         info = telemetry.CallInfo(
             self.model_name,
             chat.config if chat is not None else None,
             prepared.prefix_cache if prepared is not None else True,
             streamed=streamed,
-            parent=parent_context(run_manager),
+            parent=late_parent(run_manager),
             conversation_id=run_conversation_id(run_manager),
             response_id=response_id,
             request=chat.request if chat is not None else None,
+            usage=usage,
         )
         trace = self._tracing().call(info)
         if error is not None:

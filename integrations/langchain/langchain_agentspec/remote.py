@@ -58,7 +58,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from langchain_agentspec._run import parent_context, run_conversation_id
+from langchain_agentspec._run import parent_context, run_conversation_id, tracer_reports_usage
 from langchain_agentspec.messages import to_openai_messages
 from langchain_agentspec.remote_span import ClientSpan, server_of
 from langchain_agentspec.structured import openai_response_format
@@ -387,6 +387,7 @@ class Remote:
         timeout: float | None,
         max_retries: int,
         tracer_provider: Any = None,
+        span_usage: bool | None = None,
     ):
         options: dict[str, Any] = {"base_url": base_url, "api_key": api_key or NO_KEY, "max_retries": 0}
         if timeout is not None:
@@ -398,6 +399,7 @@ class Remote:
         self.timeout, self.max_retries = timeout, max_retries
         self.server = server_of(base_url)
         self.tracer_provider = tracer_provider
+        self.span_usage = span_usage  # ``ChatSpecDecode.span_usage``: None decides per call
         self._model: str | None = None
 
     def policy(self, span: ClientSpan | None, timeout: float | None) -> dict[str, Any]:
@@ -489,6 +491,7 @@ class Call:
         options = dict(options)
         self.deadline = options.pop("deadline", remote.timeout)
         conversation = run_conversation_id(run_manager)
+        usage = remote.span_usage if remote.span_usage is not None else not tracer_reports_usage(run_manager)
         self.span = ClientSpan.start(
             remote.tracer_provider,
             remote.server,
@@ -496,6 +499,7 @@ class Call:
             streamed,
             conversation,
             parent_context(run_manager),
+            usage,
         )
         self.headers = self.span.trace_headers()
         if conversation is not None:

@@ -4,7 +4,9 @@
 the W3C ``traceparent`` (``opentelemetry.propagate``), so an agentspec server's span is its child and
 the two processes share one trace. It carries what the engine's span carries where the response
 says it: the request's options, ``server.address`` and ``server.port``, the conversation id, the
-response id, usage (``cache_read`` included), and the speculation figures the server reports.
+response id, usage (``cache_read`` included), and the speculation figures the server reports. The
+model is named as the engine names it (``model_label``: a served folder's last component, never its
+path).
 
 Latency saved: only what an agentspec server reports (``metrics.agentspec.latency_saved_s``, its
 estimate against plain decoding without the cache, and its ``baseline_s``); other servers measure no
@@ -19,6 +21,7 @@ server counts usage (see ``remote``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -50,6 +53,7 @@ RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+USAGE_PREFIX = "gen_ai.usage."
 ERROR_TYPE = "error.type"
 DRAFTER = "agentspec.drafter"
 DRAFT_TOKENS = "agentspec.draft_tokens"
@@ -105,6 +109,22 @@ class Response(Protocol):
     metrics: dict[str, Any] | None  # the server's ``metrics`` as sent
 
 
+def model_label(model: str) -> str:
+    """The engine's ``attributes.model_label`` (a local path's last component, never the path: a
+    vLLM server started on a folder serves the folder's path as the model's name)."""
+    text = model.strip()
+    rooted = text.startswith(("/", "~", ".")) or re.match(r"^[A-Za-z]:", text) is not None
+    if not (rooted or "\\" in text or text.count("/") > 1 or text.lower().endswith(".gguf")):
+        return text
+    parts = [p for p in re.split(r"[/\\]+", text) if p not in ("", ".", "..", "~")]
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    if not parts:
+        return text
+    last = parts[-1]
+    return last[: -len(".gguf")] if last.lower().endswith(".gguf") and len(last) > 5 else last
+
+
 def server_of(base_url: str) -> tuple[str, int]:
     """``server.address`` and ``server.port`` of an endpoint (the scheme's port when it names none)."""
     parts = urlsplit(base_url)
@@ -117,7 +137,7 @@ def request_attributes(
     attrs: dict[str, Any] = {
         OPERATION_NAME: OPERATION,
         PROVIDER_NAME: PROVIDER,
-        REQUEST_MODEL: options["model"],
+        REQUEST_MODEL: model_label(options["model"]),
         SERVER_ADDRESS: server[0],
         SERVER_PORT: server[1],
     }
@@ -137,7 +157,7 @@ def request_attributes(
 
 def response_attributes(reply: Response, speculative: Mapping[str, Any] | None) -> dict[str, Any]:
     """What the response told of itself: id, model, finish reason, usage, speculation, latency saved."""
-    attrs: dict[str, Any] = {RESPONSE_MODEL: reply.model}
+    attrs: dict[str, Any] = {RESPONSE_MODEL: model_label(reply.model)}
     if reply.id is not None:
         attrs[RESPONSE_ID] = reply.id
     if reply.finish_reason is not None:
@@ -159,8 +179,9 @@ def response_attributes(reply: Response, speculative: Mapping[str, Any] | None) 
 class ClientSpan:
     """One remote call's span: opened before the first attempt, ended after the reply or the error."""
 
-    def __init__(self, span: otel_trace.Span):
+    def __init__(self, span: otel_trace.Span, usage: bool = True):
         self.span = span
+        self.usage = usage  # False: a LangChain tracer's span reports the call's tokens (``_run``)
 
     @classmethod
     def start(
@@ -171,11 +192,13 @@ class ClientSpan:
         streamed: bool,
         conversation: str | None,
         parent: Context | None,
+        usage: bool = True,
     ) -> ClientSpan:
         tracer = otel_trace.get_tracer(__name__, tracer_provider=tracer_provider)
         attrs = request_attributes(options, server, streamed, conversation)
-        name = f"{OPERATION} {options['model']}"
-        return cls(tracer.start_span(name, context=parent, kind=SpanKind.CLIENT, attributes=attrs))
+        name = f"{OPERATION} {model_label(options['model'])}"
+        span = tracer.start_span(name, context=parent, kind=SpanKind.CLIENT, attributes=attrs)
+        return cls(span, usage)
 
     def trace_headers(self) -> dict[str, str]:
         """``traceparent`` (and ``tracestate``) naming this span, for the request's headers."""
@@ -199,5 +222,8 @@ class ClientSpan:
         self.span.set_status(Status(StatusCode.ERROR, str(exc)))
 
     def end(self, reply: Response, speculative: Mapping[str, Any] | None) -> None:
-        self.span.set_attributes(response_attributes(reply, speculative))
+        attrs = response_attributes(reply, speculative)
+        if not self.usage:  # the tracer's LLM span counts these tokens: a backend sums them once
+            attrs = {k: v for k, v in attrs.items() if not k.startswith(USAGE_PREFIX)}
+        self.span.set_attributes(attrs)
         self.span.end()
