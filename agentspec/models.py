@@ -176,18 +176,32 @@ def _load_one(source: Any, device: torch.device, dtype: torch.dtype):
 
     if isinstance(source, PreTrainedModel):
         return source, None
-    source = str(source)
-    kwargs: dict[str, Any] = {}
-    path = Path(source).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        source, kwargs = str(path.parent), {"gguf_file": path.name}
+    source, kwargs = _source(source)
     tok = AutoTokenizer.from_pretrained(source, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     model.to(device).eval()
     use_grouped_sdpa(model)  # verify passes without per-layer KV copies, any device (agentspec.attention)
     return model, tok
+
+
+def _source(source: Any) -> tuple[str, dict[str, Any]]:
+    """``from_pretrained``'s first argument and options for a hub id, a folder or a ``.gguf`` file."""
+    source = str(source)
+    path = Path(source).expanduser()
+    if path.suffix != ".gguf":
+        return source, {}
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return str(path.parent), {"gguf_file": path.name}
+
+
+def load_tokenizer(model: Any = None):
+    """The tokenizer of ``model`` as ``load_pair`` would load it (a hub id, a folder, a ``.gguf`` file;
+    None: the embedded default), without its weights: for counting tokens before a pair is loaded."""
+    from transformers import AutoTokenizer
+
+    source, kwargs = _source(ensure_default_model() if model is None else model)
+    return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
 def _folder_tokenizer(folder: Path):

@@ -34,6 +34,7 @@ no reuse) and the script prints:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -56,7 +57,7 @@ from agentspec.bench.run import environment
 from agentspec.cost import calibrate
 from agentspec.drafters.registry import DEFAULT
 from agentspec.telemetry import attributes as A
-from langchain_agentspec import ChatSpecDecode
+from langchain_agentspec import ChatSpecDecode, get_speculation_callback
 
 SYSTEM = """You are the release assistant of the Harbor project, a job scheduler written in Python.
 You answer questions from maintainers about releases and issues. Rules:
@@ -378,7 +379,9 @@ def a_b(pair, args: argparse.Namespace, tasks: list) -> dict[str, dict]:
     # first-call costs
     ChatSpecDecode(pair=pair, max_tokens=4, prefix_cache=False, tracer_provider=provider).invoke("Warm up.")
     memory.clear()
-    traced = {"pair": pair, "max_tokens": args.max_tokens, "tracer_provider": provider}
+    # span_usage: the table below reads each call's tokens from its own span, also where
+    # OpenInference's LLM span reports them (a backend summing both would count them twice)
+    traced = {"pair": pair, "max_tokens": args.max_tokens, "tracer_provider": provider, "span_usage": True}
     plain = {"speculative": False, "prefix_cache": False}
     shown = "" if args.drafter == DEFAULT else f"drafter={args.drafter!r}"
     runs = {}
@@ -387,8 +390,10 @@ def a_b(pair, args: argparse.Namespace, tasks: list) -> dict[str, dict]:
         ("plain", plain, "ChatSpecDecode(speculative=False, prefix_cache=False)"),
     ):
         print(f"\n{title}:")
-        seconds, states, meter = run(ChatSpecDecode(**traced, **options), label, tasks, keep_going=True)
-        runs[label] = {"seconds": seconds, "states": states, "meter": meter, "spans": call_spans(memory)}
+        with get_speculation_callback() as totals:  # the run's sums, as an application reads them
+            seconds, states, meter = run(ChatSpecDecode(**traced, **options), label, tasks, keep_going=True)
+        runs[label] = {"seconds": seconds, "states": states, "meter": meter, "spans": call_spans(memory),
+                       "totals": totals.totals}  # fmt: skip
         memory.clear()
     provider.shutdown()  # flushes the OTLP export, if any
     return runs
@@ -414,6 +419,12 @@ def report(runs: dict[str, dict], tasks: list) -> dict:
         f"prompt tokens {total('prompt')}, read from the cache {total('cached')}; "
         f"output tokens {total('output')}, of which accepted drafts {total('accepted')}"
     )
+    t = fast["totals"]  # langchain_agentspec.get_speculation_callback over the agentspec run
+    print(
+        f"the agentspec run's totals: {t.calls} calls, latency saved {t.latency_saved_s or 0:+.2f} s "
+        f"(estimated), accepted/drafted {t.accepted_tokens}/{t.draft_tokens}, "
+        f"cache reads {t.cache_read_tokens}"
+    )
     print("\nper call, from the OpenTelemetry spans of the agentspec run (saved: estimated against plain")
     print("decoding without cache; see agentspec/cost.py):")
     print(call_table(fast["spans"], [c["what"] for c in calls]))
@@ -432,6 +443,7 @@ def report(runs: dict[str, dict], tasks: list) -> dict:
         "plain_s": round(t_base, 3),
         "speedup": round(t_base / t_fast, 3),
         "saved_estimated_s": round(saved, 3),
+        "run_totals": dataclasses.asdict(t),  # get_speculation_callback's sums over the agentspec run
         "calls": calls,
     }
 

@@ -74,7 +74,9 @@ def print_trees(df) -> list[str]:
             line += (
                 f"  saved {_attr(row, A.LATENCY_SAVED, 0.0):+.2f} s, accepted/drafted "
                 f"{_attr(row, A.ACCEPTED_TOKENS, 0)}/{_attr(row, A.DRAFT_TOKENS, 0)}, cache read "
-                f"{_attr(row, A.USAGE_CACHE_READ_INPUT_TOKENS, 0)}/{_attr(row, A.USAGE_INPUT_TOKENS, 0)}"
+                # agentspec's own counts: gen_ai.usage.* is left to OpenInference's LLM span here
+                f"{_attr(row, A.PREFIX_TOKENS_RESTORED, 0)}/"
+                f"{_attr(row, A.PREFIX_TOKENS_RESTORED, 0) + _attr(row, A.PREFILL_TOKENS, 0)}"
             )
         print(line)
         for child in children.get(row["context.span_id"], []):

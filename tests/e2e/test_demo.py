@@ -72,3 +72,9 @@ def test_the_demo_answers_right_and_both_runs_reply_the_same(tmp_path, capsys, o
     calls = figures["calls"]
     assert [c["what"] for c in calls] == ["read_release_notes", "answer", "read_issue", "answer"]
     assert calls[2]["cached"] > 0  # the second question reads the system prompt and tools from the cache
+    # the run's totals (get_speculation_callback) are the sums of its calls' own figures
+    totals = figures["run_totals"]
+    assert totals["calls"] == len(calls)
+    assert totals["accepted_tokens"] == sum(c["accepted"] for c in calls)
+    assert totals["cache_read_tokens"] == sum(c["cached"] for c in calls)
+    assert totals["latency_saved_s"] == pytest.approx(figures["saved_estimated_s"], abs=0.01)

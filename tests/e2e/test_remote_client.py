@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_core.tools import tool
 from pydantic import BaseModel
 
@@ -398,3 +399,18 @@ def test_remote_mode_imports_no_torch(server):
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["tried"] == [] and seen["imported"] == [], seen
     assert seen["text"] and seen["text"] == seen["streamed"], seen  # greedy: the same reply both ways
+
+
+def test_remote_token_counts_are_the_servers_and_equal_the_local_ones(server, local):
+    """``get_num_tokens_from_messages`` and ``get_token_ids`` through the server's ``/tokenize``: the
+    prompt a call with these messages and tools makes there, as in process."""
+    url, _ = server
+    messages = [SystemMessage("Be terse."), HumanMessage("What is 7 squared?")]
+    remote, here = _remote(url), ChatSpecDecode(pair=local)
+    assert remote.get_num_tokens_from_messages(messages) == here.get_num_tokens_from_messages(messages)
+    with_tools = remote.get_num_tokens_from_messages(messages, tools=[square])
+    assert with_tools == here.get_num_tokens_from_messages(messages, tools=[square]) > 0
+    assert remote.get_token_ids("Hello there") == here.get_token_ids("Hello there") != []
+    reply = remote.bind_tools([square]).invoke(messages)
+    assert reply.usage_metadata["input_tokens"] == with_tools
+    assert reply.response_metadata["model_provider"] == "agentspec"

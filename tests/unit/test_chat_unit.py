@@ -176,8 +176,6 @@ def test_import_and_construction_need_no_engine():
         env={**os.environ, "PYTHONPATH": root},
     )
     assert run.returncode == 0, run.stderr
-    hint = (
-        "ChatSpecDecode runs a local model pair with the agentspec engine: "
-        "pip install 'langchain-agentspec[local]'"
-    )
-    assert run.stdout.splitlines() == [hint] * 3, f"{run.stdout=}"
+    from langchain_agentspec._engine import INSTALL_HINT
+
+    assert run.stdout.splitlines() == [INSTALL_HINT] * 3, f"{run.stdout=}"

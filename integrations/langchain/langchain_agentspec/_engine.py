@@ -17,8 +17,8 @@ import functools
 from types import ModuleType
 
 INSTALL_HINT = (
-    "ChatSpecDecode runs a local model pair with the agentspec engine: "
-    "pip install 'langchain-agentspec[local]'"
+    "ChatSpecDecode runs a local model pair with the agentspec engine: install langchain-agentspec's "
+    "local extra with the engine (docs/install.md's first line)"
 )
 
 

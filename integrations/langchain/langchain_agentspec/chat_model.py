@@ -49,7 +49,10 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator,
 from langchain_agentspec import _engine
 from langchain_agentspec._run import late_parent, run_conversation_id, tracer_reports_usage
 from langchain_agentspec.messages import to_openai_messages
+from langchain_agentspec.remote_span import PROVIDER
 from langchain_agentspec.structured import openai_response_format, structured_parser
+
+ToolLike = dict[str, Any] | type | Callable | BaseTool  # what bind_tools takes, as LangChain's models do
 
 if TYPE_CHECKING:  # the engine is imported on first local use, through _engine
     from agentspec import GenerationConfig, ModelPair
@@ -181,6 +184,11 @@ class ChatSpecDecode(BaseChatModel):
     top_logprobs: int | None = None
     """With ``logprobs``: this many most likely tokens (0-20) at each position besides."""
 
+    streaming: bool = False
+    """Whether ``invoke`` (and ``generate``) decode through ``_stream``, calling back
+    ``on_llm_new_token`` with each chunk as the target verifies it, as ``ChatOpenAI(streaming=True)``
+    does. The reply is the same either way; ``stream`` always streams."""
+
     timeout: float | None = None
     """Seconds a call may take, the wait for the model included (another call may hold it); None:
     no limit. Past it the call raises ``agentspec.DecodeTimeout`` (a ``TimeoutError``) and the model,
@@ -251,6 +259,7 @@ class ChatSpecDecode(BaseChatModel):
     _own_cache: Any = PrivateAttr(default=None)  # the PrefixCache of a prefix_cache=<bytes> instance
     _telemetry: Telemetry | None = PrivateAttr(default=None)  # built by _tracing() on the first call
     _remote: Remote | None = PrivateAttr(default=None)  # the openai clients, built with a base_url
+    _tokenizer: Any = PrivateAttr(default=None)  # the target's, to count tokens before a pair is loaded
 
     @model_validator(mode="before")
     @classmethod
@@ -357,7 +366,7 @@ class ChatSpecDecode(BaseChatModel):
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
-            ls_provider="agentspec",
+            ls_provider=PROVIDER,
             ls_model_name=kwargs.get("model") or self.model_name,
             ls_model_type="chat",
             ls_temperature=kwargs.get("temperature", self.temperature),
@@ -379,11 +388,43 @@ class ChatSpecDecode(BaseChatModel):
             self._loaded = shared_pair(self.model, self.draft_model, self.device, self.dtype)
         return self._loaded
 
+    # -- counting tokens -------------------------------------------------------------------------
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The target's token ids of ``text`` (no special tokens added): its own tokenizer, loaded
+        without the weights until the pair is; a remote endpoint's ``/tokenize`` (agentspec serve,
+        vLLM). ``custom_get_token_ids`` comes first where set."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        if self.base_url is not None:
+            return self._remote.token_ids(self.model_name, text)
+        return list(self._target_tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence[ToolLike] | None = None
+    ) -> int:
+        """The tokens of the prompt ``messages`` (and ``tools``) make, rendered as a call renders them
+        (the chat template, tools in it or in the Hermes fallback, the generation prompt): the
+        ``usage_metadata["input_tokens"]`` a call with them reports. Remote: the endpoint's count."""
+        converted = [convert_to_openai_tool(t) for t in tools or ()]
+        openai_messages = to_openai_messages(messages)
+        if self.base_url is not None:
+            return self._remote.count_tokens(self.model_name, openai_messages, converted)
+        render = _engine.engine().chat.prompt.render
+        return len(render(self._target_tokenizer(), openai_messages, converted).ids)
+
+    def _target_tokenizer(self) -> Any:
+        if self.pair is not None or self._loaded is not None:
+            return self.load().tokenizer
+        if self._tokenizer is None:
+            self._tokenizer = _engine.engine().models.load_tokenizer(self.model)
+        return self._tokenizer
+
     # -- tools -----------------------------------------------------------------------------------
 
     def bind_tools(
         self,
-        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        tools: Sequence[ToolLike],
         *,
         tool_choice: str | dict | bool | None = None,
         strict: bool | None = None,
@@ -671,6 +712,7 @@ class ChatSpecDecode(BaseChatModel):
         metadata = {
             "id": response_id,  # the span's gen_ai.response.id: a reply found from its trace, and back
             "model_name": model_name,
+            "model_provider": PROVIDER,  # langchain-core reads content blocks by the provider's rules
             "finish_reason": reason,
             "speculative": _engine.engine().chat.speculative_metadata(stats),
             "stats": stats.as_dict(),

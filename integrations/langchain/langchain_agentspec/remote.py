@@ -60,7 +60,7 @@ from tenacity import (
 
 from langchain_agentspec._run import parent_context, run_conversation_id, tracer_reports_usage
 from langchain_agentspec.messages import to_openai_messages
-from langchain_agentspec.remote_span import ClientSpan, server_of
+from langchain_agentspec.remote_span import PROVIDER, ClientSpan, server_of
 from langchain_agentspec.structured import openai_response_format
 from langchain_agentspec.text_calls import TextCalls
 
@@ -68,8 +68,8 @@ try:
     import openai
 except ImportError as exc:  # pragma: no cover - the extra's hint
     raise ImportError(
-        "ChatSpecDecode(base_url=...) talks to the endpoint with the openai client: "
-        "pip install 'langchain-agentspec[remote]'"
+        "ChatSpecDecode(base_url=...) talks to the endpoint with the openai client: install "
+        "langchain-agentspec's remote extra (docs/install.md's second line)"
     ) from exc
 
 __all__ = ["SESSION_HEADERS", "Remote", "request_options", "retryable", "speculative_record"]
@@ -329,6 +329,7 @@ class Reply:
         metadata: dict[str, Any] = {
             "id": self.id,
             "model_name": self.model,
+            "model_provider": PROVIDER,  # the chat model's, whatever serves it (its metadata is ours)
             "finish_reason": self.finish_reason,
         }
         if (speculative := speculative_record(self.metrics)) is not None:
@@ -428,6 +429,28 @@ class Remote:
                 raise ValueError(f"{self.client.base_url} serves no model: pass model=")
             self._model = page.data[0].id
         return self._model
+
+    # -- counting tokens: the endpoint's tokenizer and chat template ------------------------------
+
+    def token_ids(self, model: str, text: str) -> list[int]:
+        """``text``'s token ids by ``model``'s tokenizer at the endpoint, no special tokens added."""
+        return list(self._tokenize(model, {"prompt": text, "add_special_tokens": False})["tokens"])
+
+    def count_tokens(self, model: str, messages: list[dict], tools: list[dict]) -> int:
+        """The prompt tokens of ``messages`` and ``tools`` as the endpoint renders a chat completion's."""
+        body = {"messages": messages, **({"tools": tools} if tools else {})}
+        return int(self._tokenize(model, body)["count"])
+
+    def _tokenize(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /tokenize`` in vLLM's shape (agentspec serve and vLLM answer it beside ``/v1``)."""
+        root = str(self.client.base_url).rstrip("/").removesuffix("/v1")
+        body = {"model": model, **body}
+        started = time.monotonic()
+        for attempt in Retrying(**self.policy(None, self.timeout)):
+            with attempt:
+                options = _attempt_options(started, self.timeout)
+                return self.client.post(f"{root}/tokenize", body=body, cast_to=object, options=options)
+        raise AssertionError("unreachable: Retrying re-raises the last failure")
 
     # -- one call: the same steps, sync and async (only the I/O differs) -----------------------
 
