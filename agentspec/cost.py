@@ -86,7 +86,8 @@ DEFAULT_DRAFT_STEP = 0.1  # one draft-model step / one target step, until measur
 # On a GPU a batch-1 pass of up to 16 tokens is bound by reading the weights, not by arithmetic (a
 # 7B model in bfloat16: 15 GB read at ~4.8 TB/s is ~3 ms; 16 tokens' 0.24 TFLOP at ~790 TFLOP/s is
 # ~0.3 ms), so verifying costs one step; an eager 0.5B draft step is launch-bound at about 0.3 of an
-# eager 7B step (anchors.md section 9). The gpu-check suite measures both on the device.
+# eager 7B step (about 500 kernel launches of 5-7 us each from Python against ~1.3 ms of device work:
+# the launch arithmetic gpt-fast's and vLLM's CUDA graphs remove). The gpu-check suite measures both.
 CUDA_VERIFY_COST: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 1.0))
 CUDA_DRAFT_STEP = 0.3
 # the priors of each device kind: what a sampled call's schedule uses whatever ran before it
