@@ -279,14 +279,17 @@ class _Call:
         self.drafter = _drop(self.drafter, exc, self.stats)
 
 
-def _deadline(config: GenerationConfig) -> float | None:
-    """The ``time.perf_counter()`` at which a call starting now times out (None: no limit)."""
-    return None if config.timeout is None else time.perf_counter() + config.timeout
+def _deadline(config: GenerationConfig, start: float) -> float | None:
+    """The ``time.perf_counter()`` at which a call that started at ``start`` times out (None: no limit)."""
+    return None if config.timeout is None else start + config.timeout
 
 
-def _begin(pair, ids: list[int], config, drafter, target, grammar, free_memory, deadline) -> _Call:
-    """A call's state after ``ids`` (checked prompt ids); ``target`` is synced to what it covers of them."""
-    start = time.perf_counter()
+def _begin(
+    pair, ids: list[int], config, drafter, target, grammar, free_memory, start: float, deadline
+) -> _Call:
+    """A call's state after ``ids`` (checked prompt ids); ``target`` is synced to what it covers of them.
+    ``start``: when the call began (its wait for the pair and its cache restore included), the one
+    origin of its times (``DecodeStats.time_to_first_token_s``, ``total_time_s``) and of its deadline."""
     target = target if target is not None else ModelState(pair.target_forward)
     if isinstance(grammar, Constraint) or grammar is None:
         constraint = grammar
@@ -695,9 +698,10 @@ def decode_steps(
     alone allows is appended without a model guess (it is fed with the next pass), and text the
     grammar forces is proposed as draft tokens.
     """
-    deadline = _deadline(config)
+    start = time.perf_counter()
     ids = check_prompt(pair, prompt_ids)
-    yield from _passes(_begin(pair, ids, config, drafter, target, grammar, free_memory, deadline))
+    call = _begin(pair, ids, config, drafter, target, grammar, free_memory, start, _deadline(config, start))
+    yield from _passes(call)
 
 
 def _config(options: dict) -> GenerationConfig:
@@ -927,7 +931,8 @@ def stream(
     cache = _pick_cache(pair, prefix_cache)
     # the drafter's name in pair.tenants' health records (built from a name: not the caller's own)
     key = check_name(drafter) if drafter is None or isinstance(drafter, str) else None
-    deadline = _deadline(config)
+    start = time.perf_counter()  # the call's times and its deadline count from here, the wait included
+    deadline = _deadline(config, start)
     scheduler = pair.scheduler
     with scheduler.caller_turn(config.timeout) as joined:
         if not joined:
@@ -941,7 +946,7 @@ def stream(
             _restore(pair, cache, ids, d, namespace) if cache is not None else ModelState(pair.target_forward)
         )
         free = cache.clear if cache is not None else None
-        call = _begin(pair, ids, config, d, target, grammar, free, deadline)
+        call = _begin(pair, ids, config, d, target, grammar, free, start, deadline)
         call.stats.draft_cooldown = resting
         member = _Member(pair, call, cancelled, namespace)
         scheduler.add(member)
@@ -1058,7 +1063,9 @@ class CallRecord:
 
     steps: list[Step]  # every Step the call yielded, in order
     decode_s: float
-    ttft_s: float | None  # from the call's start to the end of the first pass that gave tokens
+    # from the call's start to the end of the first pass that gave tokens: the loop's own count
+    # (``DecodeStats.time_to_first_token_s``), the one the stats and the span both report
+    ttft_s: float | None
     first_chunk_s: float | None  # to the end of the first pass that released text or finished
     baseline_s: float | None  # None: no pass finished (nothing to compare)
     cost_source: str | None  # the cost model's ``source`` when the estimate was made
@@ -1092,7 +1099,6 @@ class Run:
         self.start = time.perf_counter()
         self.record: CallRecord | None = None
         self._decode_s = 0.0
-        self._ttft_s: float | None = None
         self._first_chunk_s: float | None = None
         self._failed = False
 
@@ -1106,8 +1112,6 @@ class Run:
                 end = step.started + step.seconds - self.start
                 self._decode_s = end
                 self.steps.append(step)
-                if self._ttft_s is None and step.tokens:
-                    self._ttft_s = end
                 if self._first_chunk_s is None and (step.text or step.finish_reason is not None):
                     self._first_chunk_s = end
                 yield step
@@ -1132,9 +1136,8 @@ class Run:
             baseline, source = baseline_seconds(cost, stats), cost.source
         finished = bool(self.steps) and self.steps[-1].finish_reason is not None
         early = not finished and not self._failed
-        return CallRecord(
-            self.steps, self._decode_s, self._ttft_s, self._first_chunk_s, baseline, source, early
-        )
+        ttft = stats.time_to_first_token_s if stats is not None and stats.output_tokens else None
+        return CallRecord(self.steps, self._decode_s, ttft, self._first_chunk_s, baseline, source, early)
 
 
 # ``stream``'s signature, as ``generate``'s: three forms of one call (Steps, a Run with its record, a result)

@@ -44,6 +44,8 @@ class DecodeStats:
     acceptance_histogram: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    # from the call's start (its wait for the pair and its cache restore included) to the end of the
+    # first pass that gave tokens: counted here alone (a call's CallRecord.ttft_s reads it)
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
     finish_reason: str | None = None

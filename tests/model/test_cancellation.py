@@ -85,3 +85,39 @@ def test_a_callback_that_raises(llm, reference):
         for _ in llm.stream(PROMPT, config={"callbacks": [Raises()]}):
             pass
     _ready(llm, reference)
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "astream"])
+def test_a_cancelled_call_stops_decoding_within_one_pass(llm, reference, how):
+    """Once the cancelled task has ended, the pair runs at most one more pass for it (the one in
+    progress), though its reply had hundreds of tokens left."""
+    long = ChatSpecDecode(pair=llm.pair, max_tokens=400)
+    stats = llm.pair.scheduler.stats
+    started = threading.Event()
+
+    class Started(BaseCallbackHandler):
+        def on_llm_new_token(self, token, **kwargs):
+            started.set()
+
+    async def consume():
+        async for _ in long.astream(PROMPT, config={"callbacks": [Started()]}):
+            pass
+
+    async def main() -> tuple[int, int]:
+        before = stats.passes
+        call = long.ainvoke(PROMPT, config={"callbacks": [Started()]}) if how == "ainvoke" else consume()
+        task = asyncio.create_task(call)
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return before, stats.passes
+
+    before, at_cancel = asyncio.run(main())
+    assert at_cancel - before < 80, "the reply was not cut short: 400 tokens take 80 passes or more"
+    free = llm.pair.lock.acquire(timeout=60)
+    assert free, "the pair's lock was not released"
+    llm.pair.lock.release()
+    assert stats.passes - at_cancel <= 1, f"{stats.passes - at_cancel} passes after the cancellation"
+    _ready(llm, reference)

@@ -139,3 +139,29 @@ def test_decode_without_the_lock_keeps_the_deadline_too(fresh):
 def test_bad_timeouts_are_refused(timeout, error):
     with pytest.raises(error, match="timeout"):
         GenerationConfig(timeout=timeout)
+
+
+def test_time_to_first_token_is_counted_once_from_the_calls_start(fresh):
+    """One count, on one clock: the record's ``ttft_s`` is the stats' own, and both start when the call
+    did, its wait for the pair included (another thread holds the lock until the call waits to join)."""
+    held, waiting = threading.Event(), fresh.scheduler.stats.waiting
+    results = []
+
+    def call() -> None:
+        run = agentspec.decode.run(fresh, PROMPT, None, False, speculative=False, **OPTS)
+        for _ in run:
+            pass
+        results.append(run.close())
+
+    with fresh.lock:
+        worker = threading.Thread(target=call)
+        worker.start()
+        for _ in range(2000):  # the call waits to join (bounded)
+            if fresh.scheduler.stats.waiting > waiting:
+                break
+            held.wait(0.005)
+        held.wait(0.2)  # the call's wait for the pair: part of its time to first token
+    worker.join(timeout=120)
+    (record,) = results
+    assert record.ttft_s == record.stats.time_to_first_token_s >= 0.2, record.ttft_s
+    assert record.ttft_s <= record.decode_s

@@ -27,8 +27,10 @@ invalid: LangChain rebuilds a streamed message's invalid tool calls from its chu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -652,9 +654,11 @@ class ChatSpecDecode(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None,
         kwargs: dict[str, Any],
         streamed: bool,
+        cancelled: threading.Event | None = None,
     ) -> Iterator[ChatGenerationChunk]:
         """The chunks of one request (``streamed``: the caller streams; False when ``_generate``
-        aggregates them, which the span records as ``gen_ai.request.stream``)."""
+        aggregates them, which the span records as ``gen_ai.request.stream``); once ``cancelled`` is
+        set, the decoding takes no further pass and the chunks end."""
         agentspec = _engine.engine()  # the first local call imports it (or says how to install it)
         try:
             prepared = self._prepare(messages, stop, kwargs)
@@ -668,7 +672,8 @@ class ChatSpecDecode(BaseChatModel):
         texts: list[str] = []
         made: list[dict] = []  # the reply's calls (valid or not), OpenAI format
         # the same run agentspec serve answers with (agentspec.chat.run)
-        deltas = agentspec.chat.run(prepared.chat, prepared.drafter, prepared.prefix_cache)
+        chat, drafter, cache = prepared.chat, prepared.drafter, prepared.prefix_cache
+        deltas = agentspec.chat.run(chat, drafter, cache, cancelled=cancelled)
         name = prepared.chat.pair.name
         try:
             for delta in deltas:
@@ -764,8 +769,11 @@ class ChatSpecDecode(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        if self._remote is None:  # the local path: _generate on a worker thread (LangChain's default)
-            return await super()._agenerate(messages, stop, run_manager, **kwargs)
+        if self._remote is None:  # the local path: the reply's chunks on a worker thread, cancellable
+            sync = run_manager.get_sync() if run_manager is not None else None
+            replies = functools.partial(self._replies, messages, stop, sync, kwargs, False)
+            async with contextlib.aclosing(self._on_worker(replies)) as chunks:  # closed when cancelled
+                return generate_from_stream(iter([chunk async for chunk in chunks]))
         options = self._remote_options(messages, stop, kwargs)
         return generate_from_stream(iter(await self._remote.agenerate(options, run_manager)))
 
@@ -805,18 +813,31 @@ class ChatSpecDecode(BaseChatModel):
             async for chunk in self._remote.astream(options, run_manager):
                 yield chunk
             return
+        sync = run_manager.get_sync() if run_manager is not None else None
+        replies = functools.partial(self._replies, messages, stop, sync, kwargs, True)
+        async with contextlib.aclosing(self._on_worker(replies)) as chunks:  # closed with this stream
+            async for chunk in chunks:
+                yield chunk
+
+    @staticmethod
+    async def _on_worker(
+        replies: Callable[[threading.Event], Iterator[ChatGenerationChunk]],
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """``replies(cancelled)``'s chunks, made on one worker thread (the pair's lock must be released
+        by the thread that took it) and handed over through a queue. A consumer that leaves (a
+        cancelled task, a closed stream) sets ``cancelled``: the decoding takes no pass after the one
+        in progress (``agentspec.chat.run``), and the worker is awaited, its state saved."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
         done = object()
-        sync_manager = run_manager.get_sync() if run_manager is not None else None
 
         def produce() -> None:
             try:
-                for chunk in self._stream(messages, stop, sync_manager, **kwargs):
+                for chunk in replies(cancelled):
                     loop.call_soon_threadsafe(queue.put_nowait, (chunk, None))
                     if cancelled.is_set():
-                        break  # leaving the loop closes _stream, which releases the lock
+                        break  # leaving the loop closes the run, which releases the lock
             except BaseException as exc:  # handed to the consumer, raised there
                 loop.call_soon_threadsafe(queue.put_nowait, (None, exc))
             else:
