@@ -79,8 +79,8 @@ class CostOwner(Protocol):
 
 # --- verify cost: the schedule's price of a pass, in one-row steps --------------------------------------
 
-# T(n)/T(1) measured by the core suite (results/core.json, decode.verify_cost): n new tokens in one
-# target pass
+# the CPU prior of T(n)/T(1), n new tokens in one target pass: the core suite's curve on the embedded
+# pair (docs/benchmarks.md, core: verify_cost), until the pair's own passes teach it
 DEFAULT_VERIFY_COST: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.64), (4, 1.79), (8, 2.68), (16, 3.05))
 DEFAULT_DRAFT_STEP = 0.1  # one draft-model step / one target step, until measured (a 1/10-size draft)
 # On a GPU a batch-1 pass of up to 16 tokens is bound by reading the weights, not by arithmetic (a
@@ -220,7 +220,7 @@ SCALE_RANGE = (0.2, 5.0)  # one pass's ratio outside this (of the scale so far) 
 
 # the curves a pair starts from, by device type; an unlisted accelerator uses "cuda"'s
 LATENCY_PRIORS: dict[str, dict[str, float]] = {
-    # the embedded model's calibration on one CPU thread (results/loop.json, telemetry.estimate.calibration)
+    # the embedded model's calibration on one CPU thread (the loop suite's: docs/benchmarks.md, loop)
     "cpu": {"p0": 0.2, "p1": 2.9e-3, "p2": 5.4e-6, "d0": 0.12, "d1": 2e-5},
     # no accelerator calibration is recorded yet: a launch-bound pass, nearly flat in its tokens
     "cuda": {"p0": 0.012, "p1": 2e-5, "p2": 0.0, "d0": 0.01, "d1": 1e-6},

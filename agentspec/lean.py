@@ -114,9 +114,9 @@ def _fuse(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
 
 # Where the norms run as ``F.layer_norm`` over ``[x, -x]`` (``rms_norm``): on a CPU, PyTorch's rms_norm is
 # a composite of about ten ops (casts, pow, mean, rsqrt, two products) and its layer_norm one fused
-# kernel; in these dtypes that kernel's rounding is rms_norm's but for a last bit in under 2% of rows
+# kernel; in these dtypes that kernel's rounding is rms_norm's but for a last bit in a few rows
 # (float32 keeps rms_norm, held bit for bit to transformers' forward). The pass suite times the two
-# (``python -m benchmarks pass``, its "rms_norm" variant)
+# (``python -m benchmarks pass``, its "rms_norm" variant; figures in docs/benchmarks.md)
 LAYER_NORM_DTYPES = {torch.bfloat16, torch.float16}
 
 

@@ -26,8 +26,9 @@ WEIGHT_FIRST_DTYPES = {torch.float32}
 # share of the host's available memory at load (``PassLinears``)
 PACKED_MEMORY_SHARE = 0.25
 # float32 CPU linears get one too from this size: below it F.linear's kernel is as fast or faster at one
-# row and the packed one no faster at a few (docs/benchmarks.md, "Design probes": verify_cost); a 1.27
-# MiB projection packed made whole passes 3-5% faster (the pass suite's "packed from 2 MiB" variant)
+# row and the packed one no faster at a few, while packed projections from about a mebibyte made whole
+# passes faster (docs/benchmarks.md, "Design probes": verify_cost; the pass suite's "packed from 2 MiB"
+# variant)
 MIN_PACKED_FLOAT32_BYTES = 1 << 20
 # The most new rows a bfloat16 CPU pass computes each exactly as a one-row pass does (``PackedWeight``,
 # ``attention.row_by_row``): a verify pass's (the last verified token and its drafts); a prefill,

@@ -43,16 +43,16 @@ log = logging.getLogger(__name__)
 
 LOOKAHEAD = 4  # Steps a member may run ahead of its caller before it sits out passes
 DRAFTING_THREADS = 32  # members drafting at once (a wave); their draft-model steps are packed together
-# prompt tokens a joining member feeds per pass while others decode, by device kind: on this CPU a
-# 4,000-token prompt joining 4 decoding calls kept their p90 time between tokens at 1.18x their
-# median with 64, and at 9.9x with 256 (results/concurrency.json, join); a GPU's passes take far more
-# rows for the time of one (vLLM's default budget there is thousands of tokens)
+# prompt tokens a joining member feeds per pass while others decode, by device kind: on a CPU a long
+# prompt fed in larger chunks stretches the decoding calls' time between tokens far past its median
+# (docs/benchmarks.md, concurrency: join); a GPU's passes take far more rows for the time of one
+# (vLLM's default budget there is thousands of tokens)
 PREFILL_CHUNKS = {"cpu": 64}
 PREFILL_CHUNK = 512  # any other device
 # None: calls draft under load as they would alone. A bound of 2 one-row passes' worth of rows cut the
-# drafts of 8 agent sessions to about nothing and lost a third of their throughput on this CPU
-# (docs/benchmarks.md, "concurrency"): their suffix drafts are mostly accepted, which a bound by cost
-# alone cannot see. Set ``Scheduler.load_factor`` to bound them.
+# drafts of concurrent agent sessions to about nothing and lost throughput (docs/benchmarks.md,
+# "concurrency"): their suffix drafts are mostly accepted, which a bound by cost alone cannot see. Set
+# ``Scheduler.load_factor`` to bound them.
 LOAD_FACTOR: float | None = None
 SCHEDULE_DRAFTS = True  # a shared pass verifies the drafts likely to survive (``_verify_lengths``)
 SHARE_PROMPTS = True  # prompt rows a running call holds are copied, not computed (``_share_prompts``)

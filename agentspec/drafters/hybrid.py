@@ -49,8 +49,8 @@ from agentspec.kv import ModelState
 # auto's suffix candidates may run 3x the match length (the suffix drafter alone: 1x). Auto cuts
 # every candidate to its best prefix by calibrated survival and verify cost, so a longer candidate
 # costs nothing when unsure and pays when a short match continues with certainty; replaying the
-# agent traces offline (docs/benchmarks.md, "Design probes") gave +6-10% over 1x in every domain,
-# with 2-4 alike.
+# agent traces offline favoured it over 1x in every domain, 2-4 alike (docs/benchmarks.md, "Design
+# probes", has the figures).
 CANDIDATE_FACTOR = 3.0
 MODEL_RECALIBRATE = 16.0  # the draft model's calibration: a second stage per position (Calibration)
 

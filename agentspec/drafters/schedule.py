@@ -9,7 +9,8 @@ cumulative confidence), so a pass yields ``1 + S_1 + ... + S_d`` tokens in expec
 always adds one) and costs ``V(d + 1) + d * c`` steps, ``c`` = one draft-model step / one target step
 (0 for model-free drafts). ``best_length`` picks the ``d`` with the most tokens per unit cost; a
 drafter stops drafting once no longer draft could beat the best prefix so far (``worth_extending``).
-On this CPU ``V(2) = 1.64``: a single draft token must be accepted 64% of the time just to break even.
+On a CPU ``V(2)`` is well above 1 (the CPU prior, ``cost.DEFAULT_VERIFY_COST``): a single draft token
+must then be accepted ``V(2) - 1`` of the time just to break even.
 
 Lossless: the length of a sampled draft is decided before each token is sampled, from the
 confidences of the positions before it (a function of the output prefix, not of the token itself);

@@ -26,8 +26,8 @@ Why not Arctic's own code: ``arctic-inference`` (0.3.0, Snowflake, Apache-2.0) p
 source distribution, whose build imports torch >= 2.10 and needs cmake, a C++20 compiler,
 nanobind 2.9.2, grpcio-tools and protobuf 5.29.6 in the build environment (pip's isolated build
 fetches the CUDA torch wheel for that); the package is a vLLM plugin. Its C++ suffix tree alone
-does compile by hand on this CPU machine (cmake + nanobind) and runs, but that is not an
-installable dependency for ``make test`` on a fresh machine. This file is ~200 lines of Python.
+compiles by hand (cmake + nanobind), which is not an installable dependency for ``make test`` on a
+fresh machine. This file is ~200 lines of Python.
 
 A model-free draft is deterministic (q = None): lossless under greedy and speculative sampling.
 Sampled calls do not read the global tree, so a seeded call never depends on earlier calls.
