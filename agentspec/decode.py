@@ -74,7 +74,9 @@ class Step:
     prefill: int  # prompt tokens the target computed in this pass (first pass only)
     seconds: float  # wall time of this pass, drafting included (``time.perf_counter`` from ``started``)
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length", on the last step
-    stats: DecodeStats = field(default_factory=DecodeStats, repr=False)  # the call's running stats
+    # the call's stats as this pass left them (a snapshot: the loop runs ahead of the caller); what the
+    # call's leaving adds (``cache_creation_tokens``) is in its ``CallRecord.stats``
+    stats: DecodeStats = field(default_factory=DecodeStats, repr=False)
     forced: int = 0  # of ``tokens``, those a grammar forced (appended without a model guess)
     target_pass: bool = True  # a target forward ran (False: the grammar alone added these tokens)
     fed: int = 0  # tokens the target's pass was fed (uncached prompt or pending tokens, forced, drafts)
@@ -618,7 +620,7 @@ def _land(call: _Call, p: _Pass, read: Read | None, hidden: torch.Tensor | None 
         len(p.pending) - 1 if p.feed is not None else 0,
         now - p.started,
         reason,
-        stats,
+        stats.snapshot(),
         forced=min(len(forced), len(new)),
         target_pass=p.feed is not None,
         fed=len(p.feed) if p.feed is not None else 0,
@@ -926,6 +928,22 @@ def stream(
     ``cancelled``: once set, the call takes no further pass (a consumer that left): its Steps end
     at the next pass boundary, without a finish reason, and what was verified is saved.
     """
+    yield from _calls(pair, prompt_ids, drafter, prefix_cache, grammar, namespace, cancelled, options, None)
+
+
+def _calls(
+    pair: ModelPair,
+    prompt_ids: Any,
+    drafter: Any,
+    prefix_cache: Any,
+    grammar: Grammar | Constraint | None,
+    namespace: str | None,
+    cancelled: threading.Event | None,
+    options: dict[str, Any],
+    left: list[DecodeStats] | None,
+) -> Iterator[Step]:
+    """``stream``'s Steps; once the call has left the pair (its state saved), its stats, final, are
+    appended to ``left`` where given (``run``'s record reads them: nothing changes them after)."""
     config = _config(options)
     d = resolve_drafter(pair, drafter, config.speculative, namespace)
     cache = _pick_cache(pair, prefix_cache)
@@ -963,6 +981,8 @@ def stream(
         with scheduler.caller_turn(None):
             scheduler.remove(member)
             _leave(pair, cache, call, d, key, namespace, ended)
+        if left is not None:
+            left.append(call.stats)
         release_pool()  # the save's copies made this thread a pool (agentspec.threads)
 
 
@@ -1042,11 +1062,15 @@ def generate(
     ids: list[int] = []
     parts: list[str] = []
     last = None
-    for last in stream(pair, prompt_ids, drafter, prefix_cache, grammar, namespace, **options):
-        ids += last.tokens
-        parts.append(last.text)
+    call = run(pair, prompt_ids, drafter, prefix_cache, grammar, namespace, **options)
+    try:
+        for last in call:
+            ids += last.tokens
+            parts.append(last.text)
+    finally:
+        record = call.close()
     assert last is not None and last.finish_reason is not None
-    return GenerationResult(ids, "".join(parts), last.finish_reason, last.stats)
+    return GenerationResult(ids, "".join(parts), last.finish_reason, record.stats)
 
 
 @dataclass
@@ -1062,6 +1086,8 @@ class CallRecord:
     """
 
     steps: list[Step]  # every Step the call yielded, in order
+    # the call's stats as it left the pair (its cache writes counted); None: it yielded no Step
+    stats: DecodeStats | None
     decode_s: float
     # from the call's start to the end of the first pass that gave tokens: the loop's own count
     # (``DecodeStats.time_to_first_token_s``), the one the stats and the span both report
@@ -1070,11 +1096,6 @@ class CallRecord:
     baseline_s: float | None  # None: no pass finished (nothing to compare)
     cost_source: str | None  # the cost model's ``source`` when the estimate was made
     closed_early: bool  # closed by the caller before its last Step (not by an error)
-
-    @property
-    def stats(self) -> DecodeStats | None:
-        """The call's stats (None: it yielded no Step)."""
-        return self.steps[-1].stats if self.steps else None
 
     @property
     def latency_saved_s(self) -> float | None:
@@ -1093,8 +1114,9 @@ class Run:
     left early is closed the same way. ``run`` makes one from ``stream``'s arguments.
     """
 
-    def __init__(self, pair: ModelPair, steps: Iterator[Step]):
+    def __init__(self, pair: ModelPair, steps: Iterator[Step], left: list[DecodeStats] | None = None):
         self.pair, self._steps = pair, steps
+        self._left = left if left is not None else []  # the call's final stats, once it has left
         self.steps: list[Step] = []
         self.start = time.perf_counter()
         self.record: CallRecord | None = None
@@ -1129,7 +1151,7 @@ class Run:
         return self.record
 
     def _recorded(self) -> CallRecord:
-        stats = self.steps[-1].stats if self.steps else None
+        stats = (self._left[0] if self._left else self.steps[-1].stats) if self.steps else None
         baseline, source = None, None
         if stats is not None:
             cost = self.pair.cost.latency()
@@ -1137,7 +1159,9 @@ class Run:
         finished = bool(self.steps) and self.steps[-1].finish_reason is not None
         early = not finished and not self._failed
         ttft = stats.time_to_first_token_s if stats is not None and stats.output_tokens else None
-        return CallRecord(self.steps, self._decode_s, ttft, self._first_chunk_s, baseline, source, early)
+        return CallRecord(
+            self.steps, stats, self._decode_s, ttft, self._first_chunk_s, baseline, source, early
+        )
 
 
 # ``stream``'s signature, as ``generate``'s: three forms of one call (Steps, a Run with its record, a result)
@@ -1153,7 +1177,6 @@ def run(
     **options: Any,
 ) -> Run:
     """``stream``'s call as a ``Run``: its Steps, then (closed) its ``CallRecord``."""
-    steps = stream(
-        pair, prompt_ids, drafter, prefix_cache, grammar, namespace, cancelled=cancelled, **options
-    )
-    return Run(pair, steps)
+    left: list[DecodeStats] = []
+    steps = _calls(pair, prompt_ids, drafter, prefix_cache, grammar, namespace, cancelled, options, left)
+    return Run(pair, steps, left)

@@ -18,7 +18,7 @@ that verified no draft counts under "none", one that verified only grammar-force
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -52,6 +52,19 @@ class DecodeStats:
     source_steps: dict[str, int] = field(default_factory=dict)  # verify passes per draft source
     source_draft_tokens: dict[str, int] = field(default_factory=dict)  # draft tokens verified, per source
     source_accepted_tokens: dict[str, int] = field(default_factory=dict)  # of those, accepted, per source
+
+    def snapshot(self) -> DecodeStats:
+        """A copy that later passes leave as it is: what a Step carries (its caller may read it up to a
+        few passes behind the loop, which goes on updating the call's own)."""
+        return replace(
+            self,
+            acceptance_histogram=list(self.acceptance_histogram),
+            accepted_per_position=list(self.accepted_per_position),
+            drafted_per_position=list(self.drafted_per_position),
+            source_steps=dict(self.source_steps),
+            source_draft_tokens=dict(self.source_draft_tokens),
+            source_accepted_tokens=dict(self.source_accepted_tokens),
+        )
 
     def observe_step(self, drafted: int, accepted: int, source: str | None = None) -> None:
         source = (source or self.drafter or "none") if drafted else "none"

@@ -58,7 +58,17 @@ def test_no_cache_writes_nothing(models):
 def test_a_stream_closed_early_counts_what_it_saved(models):
     pair = _pair(models)
     prompt = list(range(2, 26))
-    steps = agentspec.stream(pair, prompt, "none", **OPTS)
-    step = next(steps)
-    steps.close()  # saves the verified state: the whole prompt is in it
-    assert step.stats.cache_creation_tokens == len(prompt)
+    run = agentspec.decode.run(pair, prompt, "none", **OPTS)
+    step = next(iter(run))
+    record = run.close()  # saves the verified state: the whole prompt is in it
+    assert record.stats.cache_creation_tokens == len(prompt)
+    assert step.stats.cache_creation_tokens == 0  # the Step's snapshot: taken before the call left
+
+
+def test_a_steps_stats_stay_as_its_pass_left_them(models):
+    """The loop runs ahead of its caller: each Step carries a snapshot, not the call's live stats."""
+    pair = _pair(models)
+    steps = list(agentspec.stream(pair, list(range(2, 26)), "model", prefix_cache=False, **OPTS))
+    outputs = [s.stats.output_tokens for s in steps]
+    assert outputs == sorted(outputs) and len(set(outputs)) == len(outputs), outputs
+    assert [s.stats.verify_steps for s in steps] == list(range(1, len(steps) + 1))
