@@ -201,6 +201,19 @@ def tiny_smol(one_thread) -> ModelPair:
     return ModelPair(target=model, tokenizer=tokenizer, name="tiny-smol", prefix_cache=PrefixCache(64 << 20))
 
 
+@pytest.fixture
+def spans():
+    """(exporter, provider): an OpenTelemetry provider keeping every ended span in memory."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter, provider
+    provider.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tiny_app(tiny_smol):
     """``agentspec serve``'s app on ``tiny_smol``, in this process (FastAPI's TestClient)."""

@@ -21,9 +21,7 @@ from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import GenAi
 from scripted_calls import WholeCall, now
 
 import agentspec
-from agentspec.cache import PrefixCache
 from agentspec.decode import run
-from agentspec.models import ModelPair, ensure_default_model
 from agentspec.telemetry import CallInfo, Telemetry
 from agentspec.telemetry import attributes as A
 from langchain_agentspec import ChatSpecDecode
@@ -41,15 +39,6 @@ DRAFT_METRICS = {
     A.METRIC_USAGE_CACHE_WRITE_TOKENS,
     A.METRIC_INFERENCE_TIME_TO_FIRST_CHUNK,
 }
-
-
-@pytest.fixture(scope="module")
-def chat_pair(tiny_llama):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
-    model = tiny_llama(5, vocab_size=len(tokenizer), max_positions=1024)
-    return ModelPair(target=model, tokenizer=tokenizer, name="tiny-smol", prefix_cache=PrefixCache(64 << 20))
 
 
 @pytest.fixture
@@ -82,9 +71,9 @@ def _joined(chunks) -> AIMessage:
     return reply
 
 
-def test_conversation_id_from_the_run_metadata(chat_pair, otel):
+def test_conversation_id_from_the_run_metadata(tiny_smol, otel):
     exporter, _, providers = otel
-    llm = ChatSpecDecode(pair=chat_pair, max_tokens=3, **providers)
+    llm = ChatSpecDecode(pair=tiny_smol, max_tokens=3, **providers)
     llm.invoke("hi", config={"metadata": {"session_id": "s-9"}})
     llm.invoke("hi", config={"metadata": {"conversation_id": "c-2", "thread_id": "t-2"}})
     llm.invoke("hi")
@@ -97,9 +86,9 @@ def test_conversation_id_from_the_run_metadata(chat_pair, otel):
     assert A.CONVERSATION_ID not in streamed.attributes
 
 
-def test_output_type(chat_pair, otel):
+def test_output_type(tiny_smol, otel):
     exporter, _, providers = otel
-    llm = ChatSpecDecode(pair=chat_pair, max_tokens=4, **providers)
+    llm = ChatSpecDecode(pair=tiny_smol, max_tokens=4, **providers)
     llm.invoke("hi")
     llm.bind(response_format={"type": "json_object"}).invoke("hi")
     text, as_json = exporter.get_finished_spans()
@@ -109,9 +98,9 @@ def test_output_type(chat_pair, otel):
     assert {text.attributes[A.OUTPUT_TYPE], as_json.attributes[A.OUTPUT_TYPE]} <= published, published
 
 
-def test_response_id_is_the_replys(chat_pair, otel):
+def test_response_id_is_the_replys(tiny_smol, otel):
     exporter, _, providers = otel
-    llm = ChatSpecDecode(pair=chat_pair, max_tokens=4, **providers)
+    llm = ChatSpecDecode(pair=tiny_smol, max_tokens=4, **providers)
     invoked = llm.invoke("hi")
     streamed = _joined(list(llm.stream("hi")))
     spans = exporter.get_finished_spans()
@@ -120,9 +109,9 @@ def test_response_id_is_the_replys(chat_pair, otel):
     assert all(i.startswith("chatcmpl-") for i in ids) and ids[0] != ids[1]
 
 
-def test_request_stream_set_only_when_streaming(chat_pair, otel):
+def test_request_stream_set_only_when_streaming(tiny_smol, otel):
     exporter, _, providers = otel
-    llm = ChatSpecDecode(pair=chat_pair, max_tokens=3, **providers)
+    llm = ChatSpecDecode(pair=tiny_smol, max_tokens=3, **providers)
     llm.invoke("hi")
     list(llm.stream("hi"))
     invoked, streamed = exporter.get_finished_spans()
@@ -132,9 +121,9 @@ def test_request_stream_set_only_when_streaming(chat_pair, otel):
     assert 0 < streamed.attributes[A.RESPONSE_TIME_TO_FIRST_CHUNK] <= duration
 
 
-def test_cache_creation_on_two_turns(chat_pair, otel):
+def test_cache_creation_on_two_turns(tiny_smol, otel):
     exporter, _, providers = otel
-    llm = ChatSpecDecode(pair=chat_pair, max_tokens=5, prefix_cache=64 << 20, **providers)  # its own cache
+    llm = ChatSpecDecode(pair=tiny_smol, max_tokens=5, prefix_cache=64 << 20, **providers)  # its own cache
     turn = [HumanMessage("The prefix cache keeps this sentence between the calls of a conversation.")]
     first = llm.invoke(turn)
     second = llm.invoke([*turn, AIMessage("ok"), HumanMessage("And then?")])
@@ -160,20 +149,20 @@ def _conversation():
     ]
 
 
-def test_content_is_not_captured_by_default(chat_pair, otel):
+def test_content_is_not_captured_by_default(tiny_smol, otel):
     exporter, _, providers = otel
-    llm = WholeCall(pair=chat_pair, max_tokens=20, prefix_cache=False, **providers)
+    llm = WholeCall(pair=tiny_smol, max_tokens=20, prefix_cache=False, **providers)
     llm.bind_tools([now], tool_choice="now").invoke(_conversation())
     (span,) = exporter.get_finished_spans()
     assert not [name for name in CONTENT if name in span.attributes]
 
 
-def test_content_captured_with_the_env_var(chat_pair, otel, monkeypatch):
+def test_content_captured_with_the_env_var(tiny_smol, otel, monkeypatch):
     exporter, _, providers = otel
     monkeypatch.setenv(A.ENV_CAPTURE_CONTENT, "true")  # read at call time: the model was built before
-    llm = WholeCall(pair=chat_pair, max_tokens=20, prefix_cache=False, **providers)
+    llm = WholeCall(pair=tiny_smol, max_tokens=20, prefix_cache=False, **providers)
     reply = llm.bind_tools([now], tool_choice="now").invoke(_conversation())
-    text = ChatSpecDecode(pair=chat_pair, max_tokens=4, **providers).invoke("Say hi.")
+    text = ChatSpecDecode(pair=tiny_smol, max_tokens=4, **providers).invoke("Say hi.")
     call_span, text_span = (s.attributes for s in exporter.get_finished_spans())
     assert json.loads(call_span[A.SYSTEM_INSTRUCTIONS]) == [{"type": "text", "content": "You tell the time."}]
     assert json.loads(call_span[A.INPUT_MESSAGES]) == [
@@ -202,15 +191,15 @@ def test_content_captured_with_the_env_var(chat_pair, otel, monkeypatch):
     assert A.SYSTEM_INSTRUCTIONS not in text_span and A.TOOL_DEFINITIONS not in text_span
 
 
-def test_capture_content_on_the_telemetry_overrides_the_env_var(chat_pair, otel, monkeypatch):
+def test_capture_content_on_the_telemetry_overrides_the_env_var(tiny_smol, otel, monkeypatch):
     exporter, _, providers = otel
     monkeypatch.setenv(A.ENV_CAPTURE_CONTENT, "true")
-    request = agentspec.chat.prepare(chat_pair.tokenizer, [{"role": "user", "content": "hi"}])
+    request = agentspec.chat.prepare(tiny_smol.tokenizer, [{"role": "user", "content": "hi"}])
     for capture in (False, True):
         call = Telemetry(providers["tracer_provider"], capture_content=capture).call(
             CallInfo("m", None, request=request)
         )
-        steps = run(chat_pair, request.prompt.ids, "none", max_new_tokens=2)
+        steps = run(tiny_smol, request.prompt.ids, "none", max_new_tokens=2)
         text = "".join(step.text for step in steps)
         call.reply(text, [])
         call.end(steps.close())
@@ -224,9 +213,9 @@ def test_capture_content_on_the_telemetry_overrides_the_env_var(chat_pair, otel,
     )
 
 
-def test_draft_metric_names_only_under_the_opt_in(chat_pair, otel, monkeypatch):
+def test_draft_metric_names_only_under_the_opt_in(tiny_smol, otel, monkeypatch):
     exporter, reader, providers = otel
-    llm = ChatSpecDecode(pair=chat_pair, max_tokens=4, **providers)
+    llm = ChatSpecDecode(pair=tiny_smol, max_tokens=4, **providers)
     llm.invoke("hi")
     published = _points(reader)
     assert not DRAFT_METRICS & set(published)

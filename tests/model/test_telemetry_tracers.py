@@ -17,13 +17,9 @@ import socket
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from scripted_calls import WholeCall, now
 
-from agentspec.cache import PrefixCache
-from agentspec.models import ModelPair, ensure_default_model
+from agentspec.models import ModelPair
 from agentspec.telemetry import attributes as A
 from langchain_agentspec import ChatSpecDecode, get_speculation_callback
 
@@ -31,24 +27,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 CHAT = "chat tiny-smol"
 USAGE = (A.USAGE_INPUT_TOKENS, A.USAGE_OUTPUT_TOKENS, A.USAGE_CACHE_READ_INPUT_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def chat_pair(tiny_llama):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
-    model = tiny_llama(5, vocab_size=len(tokenizer), max_positions=1024)
-    return ModelPair(target=model, tokenizer=tokenizer, name="tiny-smol", prefix_cache=PrefixCache(64 << 20))
-
-
-@pytest.fixture
-def memory():
-    """(exporter, provider): every span in memory."""
-    exporter, provider = InMemorySpanExporter(), TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield exporter, provider
-    provider.shutdown()
 
 
 def _run_agent(llm, config: dict | None = None) -> tuple[list, object]:
@@ -99,22 +77,22 @@ def _check(spans, messages, totals, root_name: str, usage_on_ours: bool) -> list
     return [by_id[s.parent.span_id] for s in chats]
 
 
-def test_no_tracer_the_callers_span_is_the_parent(chat_pair, memory):
-    exporter, provider = memory
+def test_no_tracer_the_callers_span_is_the_parent(tiny_smol, spans):
+    exporter, provider = spans
     with provider.get_tracer("test").start_as_current_span("caller") as caller:
-        messages, totals = _run_agent(WholeCall(pair=chat_pair, max_tokens=6, tracer_provider=provider))
+        messages, totals = _run_agent(WholeCall(pair=tiny_smol, max_tokens=6, tracer_provider=provider))
         caller.set_attributes(totals.attributes())  # the documented way with no tracer
     parents = _check(exporter.get_finished_spans(), messages, totals, "caller", usage_on_ours=True)
     assert {p.name for p in parents} == {"caller"}
 
 
-def test_openinference_tokens_are_reported_once_per_call(chat_pair, memory):
+def test_openinference_tokens_are_reported_once_per_call(tiny_smol, spans):
     oi = pytest.importorskip("openinference.instrumentation.langchain")
-    exporter, provider = memory
+    exporter, provider = spans
     instrumentor = oi.LangChainInstrumentor()
     instrumentor.instrument(tracer_provider=provider)
     try:
-        messages, totals = _run_agent(WholeCall(pair=chat_pair, max_tokens=6, tracer_provider=provider))
+        messages, totals = _run_agent(WholeCall(pair=tiny_smol, max_tokens=6, tracer_provider=provider))
     finally:
         instrumentor.uninstrument()
     spans = exporter.get_finished_spans()
@@ -130,13 +108,13 @@ def test_openinference_tokens_are_reported_once_per_call(chat_pair, memory):
     assert not [s.name for s in spans if A.USAGE_INPUT_TOKENS in s.attributes]
 
 
-def test_span_usage_true_puts_usage_back(chat_pair, memory):
+def test_span_usage_true_puts_usage_back(tiny_smol, spans):
     oi = pytest.importorskip("openinference.instrumentation.langchain")
-    exporter, provider = memory
+    exporter, provider = spans
     instrumentor = oi.LangChainInstrumentor()
     instrumentor.instrument(tracer_provider=provider)
     try:
-        llm = ChatSpecDecode(pair=chat_pair, max_tokens=4, tracer_provider=provider, span_usage=True)
+        llm = ChatSpecDecode(pair=tiny_smol, max_tokens=4, tracer_provider=provider, span_usage=True)
         reply = llm.invoke("hi")
     finally:
         instrumentor.uninstrument()
@@ -160,13 +138,13 @@ def _unwrap_openllmetry() -> None:
                 setattr(cls, name, value.__wrapped__)
 
 
-def test_openllmetry_llm_spans_are_the_parents(chat_pair, memory):
+def test_openllmetry_llm_spans_are_the_parents(tiny_smol, spans):
     ol = pytest.importorskip("opentelemetry.instrumentation.langchain")
-    exporter, provider = memory
+    exporter, provider = spans
     instrumentor = ol.LangchainInstrumentor()
     instrumentor.instrument(tracer_provider=provider)
     try:
-        messages, totals = _run_agent(WholeCall(pair=chat_pair, max_tokens=6, tracer_provider=provider))
+        messages, totals = _run_agent(WholeCall(pair=tiny_smol, max_tokens=6, tracer_provider=provider))
     finally:
         instrumentor.uninstrument()
         _unwrap_openllmetry()
@@ -199,17 +177,17 @@ def no_network(monkeypatch):
     return tried
 
 
-def test_langsmith_otel_export_spans_are_the_parents(chat_pair, memory, no_network):
+def test_langsmith_otel_export_spans_are_the_parents(tiny_smol, spans, no_network):
     pytest.importorskip("langsmith")
     from langchain_core.tracers.langchain import LangChainTracer
     from langsmith import Client
 
-    exporter, provider = memory
+    exporter, provider = spans
     client = Client(
         api_url="http://127.0.0.1:9", api_key="offline", tracing_mode="otel", otel_tracer_provider=provider
     )
     tracer = LangChainTracer(client=client, project_name="agentspec-test")
-    llm = WholeCall(pair=chat_pair, max_tokens=6, tracer_provider=provider)
+    llm = WholeCall(pair=tiny_smol, max_tokens=6, tracer_provider=provider)
     messages, totals = _run_agent(llm, config={"callbacks": [tracer]})
     client.flush()  # LangSmith ends its spans on its background thread
     spans = exporter.get_finished_spans()
@@ -219,10 +197,10 @@ def test_langsmith_otel_export_spans_are_the_parents(chat_pair, memory, no_netwo
     assert no_network == []
 
 
-def test_a_local_path_names_no_span(chat_pair, memory):
-    exporter, provider = memory
+def test_a_local_path_names_no_span(tiny_smol, spans):
+    exporter, provider = spans
     at_path = ModelPair(
-        target=chat_pair.target, tokenizer=chat_pair.tokenizer, name="/home/someone/checkpoints/tiny-smol"
+        target=tiny_smol.target, tokenizer=tiny_smol.tokenizer, name="/home/someone/checkpoints/tiny-smol"
     )
     ChatSpecDecode(pair=at_path, max_tokens=3, tracer_provider=provider).invoke("hi")
     (span,) = exporter.get_finished_spans()

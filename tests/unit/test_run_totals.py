@@ -17,8 +17,6 @@ from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from agentspec.telemetry import CallInfo, Telemetry
@@ -129,16 +127,8 @@ def test_model_label_keeps_names_and_drops_paths():
     assert A.span_name("/home/alice/models/tiny-smol") == "chat tiny-smol"
 
 
-@pytest.fixture
-def memory():
-    exporter, provider = InMemorySpanExporter(), TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield exporter, provider
-    provider.shutdown()
-
-
-def test_a_late_parent_is_asked_at_the_end_and_the_span_backdated(memory):
-    exporter, provider = memory
+def test_a_late_parent_is_asked_at_the_end_and_the_span_backdated(spans):
+    exporter, provider = spans
     parent = provider.get_tracer("test").start_span("made later")
     asked = []
 
