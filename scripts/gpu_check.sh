@@ -26,9 +26,13 @@ export AGENTSPEC_HOME=${AGENTSPEC_HOME:-/tmp/agentspec-home}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
-install() {  # carried wheels into a folder of their own (no index, no dependency resolution)
+install() {  # carried wheels into a folder of their own (no index, no dependency resolution), once
     [ -d "$1" ] || { echo "gpu_check: no $1/ carried (make gpu-wheels)" >&2; return 1; }
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
+    local wheels
+    wheels=$(ls "$1"/*.whl)
+    [ -f "$2/.wheels" ] && [ "$(cat "$2/.wheels")" = "$wheels" ] && return 0  # `all` installs .whl twice
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl &&
+        echo "$wheels" > "$2/.wheels"
 }
 
 stage() {  # what is staged of the target's wheel; its SHA-256 once every part is here
