@@ -48,6 +48,7 @@ from agentspec.packed import Read, Verdict, read_verdicts
 from agentspec.sampling import keyed_scores, make_generator, probabilities
 from agentspec.scheduler import LOOKAHEAD, Member
 from agentspec.stats import DecodeStats
+from agentspec.steps import Steps, run_alone
 from agentspec.text import TextTracker
 from agentspec.threads import release_pool
 from agentspec.verify import greedy_accept, speculative_accept
@@ -332,21 +333,19 @@ def _begin(
     )
 
 
-def _propose(call: _Call, seq: list[int], k: int) -> Draft:
+def _propose(call: _Call, seq: list[int], k: int) -> Steps[Draft]:
     """The drafter's checked proposal after ``seq``; a failure drops the drafter (an empty draft)."""
-    d, c = call.drafter, call.constraint
+    d = call.drafter
+    c = call.constraint if d.masks_own_draft else None
     try:
-        if c is not None and d.masks_own_draft:
-            draft = d.propose(seq, k, call.draft_config, call.gen, constraint=c)
-        else:
-            draft = d.propose(seq, k, call.draft_config, call.gen)
+        draft = yield from d.propose_steps(seq, k, call.draft_config, call.gen, constraint=c)
         return check_draft(draft, k, call.vocab)
     except Exception as exc:  # the target alone gives the same output: carry on without
         call.drop(exc)
         return Draft([])
 
 
-def _draft(call: _Call, forced: list[int], k: int, finished: bool, cap: int | None = None):
+def _draft(call: _Call, forced: list[int], k: int, finished: bool, cap: int | None = None) -> Steps[tuple]:
     """The pass's draft after ``forced``: the text the grammar forces, then the drafter's guess, fit
     to the grammar. Returns (tokens: host ids, or a [k] tensor still on the device; q [len(tokens),
     V] or None; jump-forward tokens leading; source; each token's estimated acceptance given those
@@ -358,7 +357,7 @@ def _draft(call: _Call, forced: list[int], k: int, finished: bool, cap: int | No
     q, source, acceptance = None, None, None
     if call.drafter is not None and k_draft > 0 and not finished:
         seq = call.seq + forced + tokens if forced or tokens else call.seq  # no copy per pass if none
-        draft = _propose(call, seq, k_draft)
+        draft = yield from _propose(call, seq, k_draft)
         source = draft.source
         acceptance = draft.survival if c is None else None
         drafted = draft.tokens
@@ -456,7 +455,7 @@ def _chunk(call: _Call, size: int) -> _Pass | None:
     return _Pass(time.perf_counter(), at, [], [], [], 0, None, False, feed=feed, chunk=True)
 
 
-def _plan(call: _Call, cap: int | None = None) -> _Pass:
+def _plan(call: _Call, cap: int | None = None) -> Steps[_Pass]:
     """Draft (at most ``cap`` drafter tokens, None: the call's own cap), and what the target is to
     be fed: a call's share of its next pass. ``cap`` binds greedy calls only: a sampled call's draws
     depend on its draft lengths, and a seeded one draws the same whatever runs beside it."""
@@ -471,7 +470,9 @@ def _plan(call: _Call, cap: int | None = None) -> _Pass:
     # never draft past the token budget or the context window
     cap = cap if call.config.greedy or call.key is not None else None
     cap = _invariant_cap(call, len(pending) + len(forced), cap)
-    tokens, q, n_jump, source, acceptance = _draft(call, forced, room - len(forced) - 1, finished, cap)
+    tokens, q, n_jump, source, acceptance = yield from _draft(
+        call, forced, room - len(forced) - 1, finished, cap
+    )
     verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
     scored = call.config.logprobs is not None
     p = _Pass(t0, at, pending, forced, tokens, n_jump, source, verified, scored=scored)
@@ -644,7 +645,7 @@ def _read_whole(call: _Call, p: _Pass, verdict: Verdict) -> Read:
 
 def _one_pass(call: _Call) -> Step:
     """Draft, verify, accept, roll back: what one target pass (or a grammar alone) adds to the output."""
-    p = _plan(call)
+    p = run_alone(_plan(call))
     read = hidden = None
     if p.feed is not None:  # a verify pass, or one that scores the forced tokens that finish the call
         verdict, hidden = _judge(call, p, _verify_alone(call, p))
@@ -805,9 +806,6 @@ class _Member:
             return False
         return not self.closed and self.delivered - self.taken < LOOKAHEAD
 
-    def draft_state(self) -> Any:
-        return self.call.drafter.step_state() if self.call.drafter is not None else None
-
     def wanted(self) -> list[int]:
         if not self.prefilling:
             return []
@@ -823,9 +821,10 @@ class _Member:
         stats.shared_prefix_tokens += taken
         return taken
 
-    def share(self, chunk: int | None, cap: int | None) -> _Pass:
+    def share(self, chunk: int | None, cap: int | None) -> Steps[_Pass]:
         self._at = len(self.call.target.ids)  # where a pass that fails before its landing rolls back to
-        return (_chunk(self.call, chunk) if chunk is not None else None) or _plan(self.call, cap)
+        p = _chunk(self.call, chunk) if chunk is not None else None
+        return p if p is not None else (yield from _plan(self.call, cap))
 
     def trim(self, p: _Pass, n: int) -> None:
         p.trim(n)

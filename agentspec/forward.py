@@ -1,7 +1,7 @@
 """The forward a pass calls: new rows, their group, the features wanted -> logits and features.
 
 Every agentspec pass over a model goes through one object the pair owns (``Forward``), called at one
-place (``kv.ModelState.forward_now``, ``packed.forward_packed``): ``agentspec.lean.LeanForward`` for
+place (``kv.ModelState.forward``, ``packed.forward_packed``): ``agentspec.lean.LeanForward`` for
 the families it covers (its linears bound once, packed where the CPU gains), ``PlainForward`` for the
 rest (transformers' own forward, with ``F.linear``). Nothing is assigned on the model: ``generate()``,
 a user's own calls, ``copy.deepcopy`` and ``save_pretrained`` see it as transformers built it.

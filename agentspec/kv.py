@@ -5,7 +5,7 @@ Invariant (asserted): ``cache.get_seq_length() == len(ids) + unread``. Roll-back
 reused across steps (or calls) only ever re-reads the tokens that changed.
 
 A state runs its passes through the forward it was given (``agentspec.forward.Forward``: the pair's
-lean forward, or transformers' own), called at one place, ``ModelState.forward_now``.
+lean forward, or transformers' own), called at one place, ``ModelState.forward``.
 
 Host syncs: ids go to the device without the host waiting (``to_device``), and a pass may be fed
 tokens that are still on the device (``PassIds``: a draft model's tokens, which the verification
@@ -14,6 +14,7 @@ reads back once, with its own result). Their positions are ``unread`` until ``se
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,21 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from agentspec.forward import Forward, PlainForward, side_by_side
-
-
-class Batcher(Protocol):
-    """Runs the steps of several drafting threads together (``agentspec.packed.Rendezvous``): a draft
-    model's ``ModelState.forward`` calls, an EAGLE head's feeds."""
-
-    def forward(self, state: ModelState, new: PassIds, keep: int, features: tuple[int, ...]) -> Any:
-        """``state.forward_now(new, keep, features)``'s result, computed in one pass with the other
-        threads' calls."""
-        ...
-
-    def join(self, job: Any) -> Any:
-        """An ``agentspec.packed.Job``'s result, computed in one pass with the other threads' steps of
-        its key."""
-        ...
+from agentspec.steps import Job, Steps
 
 
 def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
@@ -231,8 +218,7 @@ class ModelState:
     are not in ``ids`` until ``settle`` gives them; ``truncate`` and ``sync`` roll them back.
 
     ``forward``: the pair's forward of the model (``ModelPair.target_forward``, ``draft_forward``);
-    a bare model runs transformers' own (``PlainForward``). ``batcher``: set by the scheduler while
-    this state's passes are to meet other drafting threads' (``agentspec.scheduler``), else None.
+    a bare model runs transformers' own (``PlainForward``).
     """
 
     def __init__(
@@ -248,7 +234,6 @@ class ModelState:
         self.cache = cache if cache is not None else growing_cache(self.model.config)
         self.ids: list[int] = list(ids or [])
         self.unread = 0  # cached positions after ``ids`` whose ids are still on the device
-        self.batcher: Batcher | None = None
         self.check()
 
     def check(self) -> None:
@@ -289,23 +274,16 @@ class ModelState:
         self.truncate(min(common_prefix_len(self.ids, seq, start), end))
         return seq[len(self.ids) : end]
 
+    @torch.inference_mode()
     def forward(self, new_ids: list[int] | PassIds, keep: int, features: tuple[int, ...] = ()):
         """Feed ``new_ids`` after the cached ones; return the last ``keep`` logits rows [keep, V].
 
         ``PassIds`` with device ids: those positions are ``unread`` after the pass (no host read).
         With ``features`` (``agentspec.forward``'s numbering), return (logits, those features of
         ``new_ids`` side by side [len(new_ids), n x H]): what an EAGLE head drafts from
-        (``agentspec.drafters.eagle``). With a ``batcher``, the
-        pass is shared with the other drafting threads'.
+        (``agentspec.drafters.eagle``).
         """
         new = new_ids if isinstance(new_ids, PassIds) else PassIds(new_ids)
-        if self.batcher is not None:
-            return self.batcher.forward(self, new, keep, features)
-        return self.forward_now(new, keep, features)
-
-    @torch.inference_mode()
-    def forward_now(self, new: PassIds, keep: int, features: tuple[int, ...] = ()):
-        """``forward``, in a pass of its own."""
         assert len(new), "forward needs at least one new token"
         assert not (self.unread and new.host), "host ids cannot follow unread positions: settle first"
         x = new.tensor(self.model.device)
@@ -318,6 +296,16 @@ class ModelState:
         self.advance(new)
         logits = out.logits[-keep:]
         return (logits, side_by_side(out.features, slice(-len(new), None))) if features else logits
+
+    def forward_steps(self, new_ids: list[int] | PassIds, keep: int) -> Steps[torch.Tensor]:
+        """``forward`` as a drafter's step (``agentspec.steps``): a round of several calls' drafting
+        runs it in one packed pass with their steps of this model, where the pass can feed it."""
+        from agentspec.packed import forward_together, packable  # packed.py builds on this module
+
+        new = new_ids if isinstance(new_ids, PassIds) else PassIds(new_ids)
+        together = forward_together if packable(self) else None
+        alone = functools.partial(self.forward, new, keep)
+        return (yield Job(id(self.model_forward), alone, together, (self, new, keep)))
 
     def advance(self, new: PassIds) -> None:
         """A pass fed ``new`` after the cached positions (this state's own, or a packed one): its

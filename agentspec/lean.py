@@ -21,7 +21,7 @@ the packed pass (``agentspec.packed``) and the pass linears (``linears.PassLinea
 - the features a caller asks for (``agentspec.forward``: a layer's input, the final norm's output)
   taken as the pass computes them, the LM head only over the rows a caller keeps.
 
-The pair calls it for its own passes (``kv.ModelState.forward_now``, ``packed.forward_packed``) over
+The pair calls it for its own passes (``kv.ModelState.forward``, ``packed.forward_packed``) over
 a cache of ``kv.GrowingLayer``s or a ``PackedPass``; every other call of the model (``generate()``,
 a compiled step, a user's own) is transformers' forward, which nothing here changes. The lossless
 tests hold it to transformers' ``generate()``: float32 token-identical, bfloat16 identical but for

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ import torch
 from agentspec.attention import grouped_sdpa_forward, invariant_rows
 from agentspec.forward import side_by_side
 from agentspec.kv import ModelState, PassIds, common_prefix_len, longest_holder, to_device
+from agentspec.steps import Job, Steps, advance
 
 
 def packable(state: ModelState) -> bool:
@@ -141,95 +141,70 @@ def forward_packed(
     return results
 
 
-@dataclass
-class Job:
-    """One drafting thread's step, which a ``Rendezvous`` runs in one pass with the other threads'
-    steps of its ``key`` (``together``: all their results, in their order, from one pass), or by itself
-    (``alone``) where it is the only one, the key has no ``together``, or the pass together fails.
-    ``payload``: what ``together`` reads of each step."""
+class DraftRound:
+    """The drafting of several calls, their model steps run together (``agentspec.steps``).
 
-    key: Any
-    alone: Callable[[], Any]
-    together: Callable[[list[Job]], list] | None = None
-    payload: Any = None
-    out: Any = None
-    error: BaseException | None = None
-    done: bool = False
-
-
-class Rendezvous:
-    """The steps of ``parties`` drafting threads, run together (``agentspec.kv.Batcher``).
-
-    A scheduler drafts for its calls in threads of their own, one per call, each inside its draft
-    state's ``batcher`` set to the rendezvous: a step (a draft model's ``ModelState.forward``, an
-    EAGLE head's feed) waits until every thread still drafting has asked for its own step (or
-    finished), and then the steps of one model run as one packed pass, so a drafter takes one pass
-    per draft position for all the calls, not one per call. A thread leaves (``leave``) when its
-    drafting is done. A packed pass that fails is run again step by step, so only a call whose own
-    step fails gets its error. ``steps`` and ``passes`` count what it ran (steps asked, passes run).
+    The scheduler hands a round each call's drafting generator; the round starts them all, then
+    runs the jobs they wait on, those of one model as one packed pass (``Job.together``), sends each
+    its result and moves them all on, until every one has returned. A drafter so takes one forward
+    per draft position for all the calls, in the scheduler's own thread. A packed pass that fails is
+    run again job by job, so only a call whose own step fails gets its error. ``steps`` and
+    ``passes`` count what it ran (jobs, and the passes that ran them).
 
     Draft models catch up on a call's prompt in a step, so calls that start together after one system
     prompt would each compute its draft rows: as the scheduler does for the target's, a step copies
-    the rows of its new tokens that a draft state of its namespace (``enter``) holds, or that another
-    step computes (then after that one, in a second pass: ``_sharing``); ``shared`` counts the rows.
+    the rows of its new tokens that a draft state of its namespace holds, or that another step
+    computes (then after that one, in a second pass: ``_sharing``); ``shared`` counts the rows.
     """
 
-    def __init__(self, parties: int, share: bool = True):
-        self.active = parties  # threads still drafting
+    def __init__(self, share: bool = True):
         self.share = share  # draft models' steps copy the prompt rows another holds or computes
         self.steps = self.passes = self.shared = 0
-        self._states: dict[int, Any] = {}  # the draft states entered, by id
+        self._states: dict[int, ModelState] = {}  # the draft models' states met so far, by id
         self._namespaces: dict[int, str | None] = {}  # id(draft state) -> its call's namespace
-        self._cond = threading.Condition()
-        self._waiting: list[Job] = []
 
-    def enter(self, state: Any, namespace: str | None) -> None:
-        """``state`` drafts for a call of ``namespace``: its steps share prompt rows within it only."""
-        state.batcher = self
-        self._states[id(state)] = state
-        self._namespaces[id(state)] = namespace
+    def run(self, plans: Sequence[Steps], namespaces: Sequence[str | None]) -> list:
+        """What each of ``plans`` returns, or the exception it raised; ``namespaces[i]``: plan i's
+        call's (its steps share prompt rows within it only)."""
+        results: list = [None] * len(plans)
+        waiting: dict[int, Job] = {}
+        for i in range(len(plans)):
+            self._move(plans, namespaces, i, None, waiting, results)
+        while waiting:
+            ran, waiting = waiting, {}
+            with torch.inference_mode():  # as a model's forward runs
+                self._run_jobs(list(ran.values()))
+            for i, job in ran.items():
+                self._move(plans, namespaces, i, job, waiting, results)
+        return results
 
-    def forward(self, state: ModelState, new: PassIds, keep: int, features: tuple[int, ...]) -> Any:
-        """``state.forward_now(new, keep, features)``, packed with the other threads' passes of its model."""
-        alone = lambda: state.forward_now(new, keep, features)  # noqa: E731
-        if features or not packable(state):  # not one the packed pass can feed: its own pass
-            return alone()
-        return self.join(Job(id(state.model_forward), alone, _forward_together, (state, new, keep)))
-
-    def join(self, job: Job) -> Any:
-        """``job``'s result, once it has run with the other waiting threads' steps (its error raised)."""
-        with self._cond:
-            self._waiting.append(job)
-            self._run_if_all_here()
-            while not job.done:
-                self._cond.wait()
-        if job.error is not None:
-            raise job.error
-        return job.out
-
-    def leave(self) -> None:
-        with self._cond:
-            self.active -= 1
-            self._run_if_all_here()
-
-    def _run_if_all_here(self) -> None:
-        """With the condition held: once every drafting thread waits, run their steps (here)."""
-        if not self._waiting or len(self._waiting) < self.active:
+    def _move(self, plans, namespaces, i: int, job: Job | None, waiting: dict, results: list) -> None:
+        """Plan ``i`` past ``job``: its next job waits in ``waiting``, or its result (or error) is in."""
+        try:
+            got = advance(plans[i], job)
+        except Exception as exc:  # that call's own failure: the others draft on
+            results[i] = exc
             return
-        waiting, self._waiting = self._waiting, []
+        if not isinstance(got, Job):
+            results[i] = got
+            return
+        waiting[i] = got
+        if got.together is forward_together:  # a draft model's step: its rows may be copied
+            state = got.payload[0]
+            self._states[id(state)], self._namespaces[id(state)] = state, namespaces[i]
+
+    def _run_jobs(self, jobs: list[Job]) -> None:
         by_key: dict[Any, list[Job]] = {}
-        for job in waiting:
+        for job in jobs:
+            job.out = job.error = None
             by_key.setdefault(job.key, []).append(job)
-        # whichever thread runs them (one leaving runs the others' steps), they run as in a draft
-        with torch.inference_mode():
-            for group in by_key.values():
-                self.steps += len(group)
-                self.passes += self._sharing(group)
-        self._cond.notify_all()
+        for group in by_key.values():
+            self.steps += len(group)
+            self.passes += self._sharing(group)
 
     def _sharing(self, group: list[Job]) -> int:
         """Run ``group`` (``_run``) once its draft-model steps have copied what they can: first the
-        prompt rows a state of this meeting already holds, then, in a second pass after the first,
+        prompt rows a state of this round already holds, then, in a second pass after the first,
         those another step computes in it (``_followers``). Returns the passes run."""
         if not self.share:
             return _run(group)
@@ -251,15 +226,14 @@ class Rendezvous:
         return passes + _run([job for job in copying if id(job) in followers])
 
     def _holder(self, state: ModelState, new: PassIds, keep: int) -> tuple[ModelState | None, int]:
-        """The state of this meeting (of ``state``'s model and namespace) that holds the longest run of
+        """The state of this round (of ``state``'s model and namespace) that holds the longest run of
         ``new``'s rows, and the position it holds them to (at most all but the rows read)."""
         at, space = len(state.ids), self._namespaces[id(state)]
         others = [
             other
             for other in self._states.values()
-            if other is not state and self._namespaces[id(other)] == space
-            and isinstance(other, ModelState) and other.model is state.model
-        ]  # fmt: skip
+            if other is not state and self._namespaces[id(other)] == space and other.model is state.model
+        ]
         held, end = longest_holder(others, state.ids + new.host, at)
         end = min(end, at + len(new) - max(keep, 1))  # the rows it reads logits of are its own
         return (others[held], end) if held is not None and end > at else (None, at)
@@ -297,12 +271,12 @@ class Rendezvous:
         if taken:
             self.shared += taken
             rest = PassIds(new.host[taken:])
-            job.payload, job.alone = (state, rest, keep), functools.partial(state.forward_now, rest, keep)
+            job.payload, job.alone = (state, rest, keep), functools.partial(state.forward, rest, keep)
 
 
 def _copies(job: Job) -> bool:
     """A draft model's packed step of host ids (its catch-up on a prompt): one that may copy rows."""
-    if job.together is not _forward_together:
+    if job.together is not forward_together:
         return False
     state, new, _ = job.payload
     return new.device is None and not state.unread and len(new) > 1
@@ -320,7 +294,8 @@ def one_product(
     return [next(out) if part is not None else None for part in parts]
 
 
-def _forward_together(jobs: list[Job]) -> list:
+def forward_together(jobs: list[Job]) -> list:
+    """Several states' ``ModelState.forward_steps`` jobs of one model as one packed pass."""
     states, news, keeps = zip(*(job.payload for job in jobs))
     return forward_packed(states, news, keeps)
 
@@ -342,7 +317,6 @@ def _run(group: list[Job]) -> int:
                 job.out = job.alone()
             except Exception as exc:
                 job.error = exc
-        job.done = True
     return 1 if outs is not None else len(group)
 
 

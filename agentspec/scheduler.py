@@ -28,7 +28,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,13 +35,12 @@ from typing import Any, Protocol
 from agentspec.cost import PairCost
 from agentspec.kv import ModelState, PassIds, common_prefix_len, longest_holder
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
-from agentspec.packed import Read, Rendezvous, Verdict, forward_packed, packable, read_verdicts
-from agentspec.threads import release_pool
+from agentspec.packed import DraftRound, Read, Verdict, forward_packed, packable, read_verdicts
+from agentspec.steps import Steps, run_alone
 
 log = logging.getLogger(__name__)
 
 LOOKAHEAD = 4  # Steps a member may run ahead of its caller before it sits out passes
-DRAFTING_THREADS = 32  # members drafting at once (a wave); their draft-model steps are packed together
 # prompt tokens a joining member feeds per pass while others decode, by device kind: on a CPU a long
 # prompt fed in larger chunks stretches the decoding calls' time between tokens far past its median
 # (docs/benchmarks.md, concurrency: join); a GPU's passes take far more rows for the time of one
@@ -110,15 +108,10 @@ class Member(Protocol):
         of ``wanted()``) instead of computing them; returns how many it took."""
         ...
 
-    def draft_state(self) -> Any:
-        """The state its drafter's steps run on (a draft model's ``ModelState``, an EAGLE head's
-        ``EagleState``; None: none), which the scheduler lets meet other members' steps while they
-        draft (its ``batcher``)."""
-        ...
-
-    def share(self, chunk: int | None, cap: int | None) -> Share:
-        """Its share of the next pass; ``chunk``: the most uncached prompt tokens it may feed;
-        ``cap``: the most drafter tokens (None: its own cap)."""
+    def share(self, chunk: int | None, cap: int | None) -> Steps[Share]:
+        """Its share of the next pass, planned in steps (its drafter's model forwards: ``agentspec.steps``)
+        that the scheduler runs with the other members'; ``chunk``: the most uncached prompt tokens it
+        may feed; ``cap``: the most drafter tokens (None: its own cap)."""
         ...
 
     def trim(self, share: Share, n: int) -> None:
@@ -152,35 +145,21 @@ class SchedulerStats:
     members: int = 0  # member shares over all those forwards (members per pass = members / passes)
     trimmed: int = 0  # draft tokens drafted but not verified: their rows did not pay in a shared pass
     shared: int = 0  # prompt rows copied from another running call's state, not computed
-    draft_shared: int = 0  # the same, of draft models' states (``packed.Rendezvous``)
+    draft_shared: int = 0  # the same, of draft models' states (``packed.DraftRound``)
     deferred: int = 0  # member shares that sat out a pass to copy, at the next, rows another computes
-    # drafting threads' model steps (draft model or head) asked, and the passes that ran them: packed,
-    # a pass runs one step of every call drafting at once (steps per pass = draft_steps / draft_passes)
+    # drafters' model steps (draft model or head) asked, and the passes that ran them: packed, a pass
+    # runs one step of every call drafting at once (steps per pass = draft_steps / draft_passes)
     draft_steps: int = 0
     draft_passes: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (members, rows) of recent passes
 
 
 def _share(member: Member, chunk: int | None, cap: int | None) -> Share | Exception:
+    """``member``'s share planned by itself (its drafter's steps run one by one)."""
     try:
-        return member.share(chunk, cap)
+        return run_alone(member.share(chunk, cap))
     except Exception as exc:
         return exc
-
-
-def _drafted(meeting: Rendezvous, member: Member, chunk: int | None, cap: int | None) -> Share | Exception:
-    """``member``'s share, planned in a drafting thread whose draft-model steps meet the others'
-    (through its draft state's ``batcher``)."""
-    state = member.draft_state()
-    try:
-        if state is not None:
-            meeting.enter(state, member.namespace)
-        return _share(member, chunk, cap)
-    finally:
-        if state is not None:
-            state.batcher = None
-        meeting.leave()
-        release_pool()  # the pass that follows runs in the pass thread (agentspec.threads)
 
 
 def batch_lengths(
@@ -244,10 +223,9 @@ class Scheduler:
         self.load_factor = load_factor  # None: members draft as alone, whatever the load
         self.schedule_drafts = schedule_drafts  # each shared pass verifies what will likely survive
         self.share_prompts = share_prompts  # a prompt's rows held by another call are copied, not computed
-        # members draft in threads of their own, a draft model's steps shared (``packed.Rendezvous``);
-        # False where drafters share one draft state (``ModelPair.draft_cache`` static or compiled)
+        # members draft in lockstep, a draft model's steps run together (``packed.DraftRound``); False
+        # where drafters share one draft state (``ModelPair.draft_cache`` static or compiled)
         self.batch_drafts = batch_drafts
-        self._drafting: ThreadPoolExecutor | None = None  # those threads, made on first use
         self.running: list[Member] = []
         self.stats = SchedulerStats()
         self._turns = threading.Condition()  # guards _callers and _thread; wakes the pass loop
@@ -476,17 +454,11 @@ class Scheduler:
         cap = self.draft_cap(members)
         if len(members) == 1 or not self.batch_drafts:
             return [_share(m, chunk, cap) for m in members]
-        if self._drafting is None:
-            self._drafting = ThreadPoolExecutor(DRAFTING_THREADS, thread_name_prefix="agentspec-draft")
-        shares: list = []
-        for wave in range(0, len(members), DRAFTING_THREADS):  # every thread of a wave runs at once
-            group = members[wave : wave + DRAFTING_THREADS]
-            meeting = Rendezvous(len(group), share=self.share_prompts)
-            futures = [self._drafting.submit(_drafted, meeting, m, chunk, cap) for m in group]
-            shares += [f.result() for f in futures]
-            self.stats.draft_steps += meeting.steps
-            self.stats.draft_passes += meeting.passes
-            self.stats.draft_shared += meeting.shared
+        drafting = DraftRound(share=self.share_prompts)
+        shares = drafting.run([m.share(chunk, cap) for m in members], [m.namespace for m in members])
+        self.stats.draft_steps += drafting.steps
+        self.stats.draft_passes += drafting.passes
+        self.stats.draft_shared += drafting.shared
         return shares
 
     def _fail(self, member: Member, exc: BaseException) -> None:

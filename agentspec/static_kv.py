@@ -25,12 +25,15 @@ device on every pass.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import Cache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from agentspec.forward import PlainForward, side_by_side
 from agentspec.kv import KVState, PassIds, Segments, cache_segments, common_prefix_len
+from agentspec.steps import Job, Steps
 
 MAX_CAPACITY = 8192  # default capacity: the model's context, at most this many tokens
 
@@ -183,6 +186,11 @@ class StaticState:
                 f"{n} tokens after {start} exceed the static KV cache's capacity of {self.capacity}; "
                 "build the StaticState with a larger capacity"
             )
+
+    def forward_steps(self, new_ids: list[int] | PassIds, keep: int) -> Steps[torch.Tensor]:
+        """``forward`` as a drafter's step (``agentspec.steps``), run by itself: the pair's one
+        static draft state drafts for one call at a time (``Scheduler.batch_drafts``)."""
+        return (yield Job(id(self), functools.partial(self.forward, new_ids, keep)))
 
     @torch.inference_mode()
     def forward(self, new_ids: list[int] | PassIds, keep: int, features: tuple[int, ...] = ()):

@@ -163,7 +163,7 @@ def scheduler_work(pair, before: dict[str, int] | None = None) -> dict[str, Any]
     work = {f: getattr(stats, f, 0) - (before or {}).get(f, 0) for f in fields}
     per_pass = {f"{f}_per_pass": round(work[f] / work["passes"], 3) if work["passes"] else None
                 for f in ("members", "rows")}  # fmt: skip
-    # drafting threads' model steps per pass that ran them: 1 where none are packed
+    # drafters' model steps per pass that ran them: 1 where none are packed
     steps = work["draft_steps"] / work["draft_passes"] if work["draft_passes"] else None
     return work | per_pass | {"draft_steps_per_pass": round(steps, 3) if steps else None}
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import random
 
-import torch
-
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.kv import ModelState
+from agentspec.steps import Steps, run_alone
 
 
 def corrupted_positions(n: int, acceptance: float, seed: int) -> list[bool]:
@@ -54,27 +53,22 @@ class ReplayDrafter(Drafter):
         token = self.reference[position]
         return (token + 1) % self.width if self.wrong[position] else token
 
-    def propose(
-        self,
-        seq: list[int],
-        k: int,
-        config: GenerationConfig,
-        generator: torch.Generator | None,
-        constraint=None,
-    ) -> Draft:
+    def propose(self, seq, k, config: GenerationConfig, generator, constraint=None) -> Draft:
+        return run_alone(self.propose_steps(seq, k, config, generator))
+
+    def propose_steps(self, seq, k, config: GenerationConfig, generator, constraint=None) -> Steps[Draft]:
         pending = self.state.sync(seq[:-1]) + seq[-1:]  # as the model drafter: the last id is fed
         tokens: list[int] = []
         for j in range(k):
             token = self._token(len(seq) + j)
             if token is None:
                 break
-            self.state.forward(pending, keep=1)  # the step whose logits would give this token
+            yield from self.state.forward_steps(
+                pending, keep=1
+            )  # the step whose logits would give this token
             tokens.append(token)
             pending = [token]
         return Draft(tokens)
 
     def reset(self) -> None:
         self.state.reset()
-
-    def step_state(self) -> ModelState:
-        return self.state

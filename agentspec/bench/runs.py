@@ -101,9 +101,8 @@ def profiled(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Ran]:
 @contextmanager
 def in_passes(pair: Any) -> Iterator[Ran]:
     """Within the block, each of ``pair``'s passes runs under a profiler of its own, in the pass thread
-    (a profiler sees the thread that started it only); the yielded ``Ran`` sums them. The ops that
-    several calls' drafting threads run are not seen on a CPU; on CUDA the device's kernels and the
-    runtime's waits are, whichever thread launched them."""
+    (a profiler sees the thread that started it only; the calls' drafting runs there too); the
+    yielded ``Ran`` sums them."""
     cuda = pair.device.type == "cuda"
     total = Ran(kernels=0 if cuda else None, syncs=0 if cuda else None)
 

@@ -7,11 +7,12 @@ means "not used": the loop never probes a drafter for what it can do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from agentspec.config import GenerationConfig
+from agentspec.steps import Steps
 
 if TYPE_CHECKING:
     from agentspec.grammar import Constraint
@@ -62,9 +63,9 @@ class Drafter:
       ``model`` keys the prefix cache's "draft" entries), ``adopt_kv_state(state)`` takes a
       state restored from the cache in its place, and ``catch_up(ids)`` feeds what the state lacks
       of ``ids`` before it is saved.
-    - ``step_state()``: the state its model's steps run on while it drafts (a draft model's
-      ``ModelState``, an EAGLE head's ``EagleState``; None: none), whose ``batcher`` a scheduler sets
-      so that the steps of calls drafting at once run as one pass (``agentspec.packed.Rendezvous``).
+    - ``propose_steps``: ``propose`` as a generator of its model's forwards (``agentspec.steps``), for
+      a drafter that runs a model: a scheduler then runs the forwards of calls drafting at once as
+      one pass (``agentspec.packed.DraftRound``). By default ``propose`` runs whole, no step yielded.
     """
 
     name: str
@@ -85,6 +86,20 @@ class Drafter:
     ) -> Draft:
         """Up to ``k`` tokens likely to follow ``seq`` (the verified prompt + output so far)."""
         raise NotImplementedError(f"{type(self).__name__} must define propose()")
+
+    def propose_steps(
+        self,
+        seq: list[int],
+        k: int,
+        config: GenerationConfig,
+        generator: torch.Generator | None,
+        constraint: Constraint | None = None,
+    ) -> Steps[Draft]:
+        """``propose``, yielding each forward of a model it runs as a ``Job`` (see ``agentspec.steps``)."""
+        yield from ()  # by default no step: ``propose`` runs whole
+        if constraint is None:  # ``propose`` takes one only where it masks its own draft
+            return self.propose(seq, k, config, generator)
+        return self.propose(seq, k, config, generator, constraint=constraint)
 
     def feedback(self, seq: list[int], n_accepted: int, n_drafted: int) -> None:
         """Called after each verify pass with the new verified sequence."""
@@ -108,10 +123,6 @@ class Drafter:
 
     def catch_up(self, ids: list[int]) -> None:
         """Bring ``kv_state()`` up to ``ids`` (the target's cached ids) before it is saved."""
-
-    def step_state(self) -> Any:
-        """The state its drafting steps run on, with a ``batcher`` (None: it runs no model)."""
-        return None
 
 
 @runtime_checkable

@@ -32,9 +32,10 @@ from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.eagle import FeatureHead, vocab_logits
 from agentspec.grammar import Constraint, apply_bitmask
-from agentspec.kv import Batcher, crop_layers, to_device
-from agentspec.packed import Job, one_product
+from agentspec.kv import crop_layers, to_device
+from agentspec.packed import one_product
 from agentspec.sampling import probabilities
+from agentspec.steps import Job, Steps, run_alone
 
 BLOCK_ARCHITECTURES = ("dflash", "dspark")
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
@@ -214,9 +215,6 @@ class BlockState:
 
     def __init__(self, head: BlockHead):
         self.head = head
-        # set by the scheduler while its drafts are to meet other drafting threads' (one forward of
-        # the head for every call's block), else None
-        self.batcher: Batcher | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -261,23 +259,26 @@ class BlockDrafter(Drafter):
     def observe_features(self, position: int, features: torch.Tensor) -> None:
         self.state.observe(position, features)
 
-    @torch.inference_mode()
     def propose(
         self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
     ) -> Draft:
         """Up to ``k`` tokens after ``seq``, drafted where the context reaches its last token; with a
         ``constraint``, each drawn under its mask and pushed onto its path."""
+        return run_alone(self.propose_steps(seq, k, config, generator, constraint))
+
+    @torch.inference_mode()
+    def propose_steps(
+        self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
+    ) -> Steps[Draft]:
+        """``propose``, its block's forward a job that a round of several calls' drafting runs in
+        one forward of the head for all their blocks."""
         p = len(seq) - 1  # the anchor: the last verified token, whose features come with the next pass
         k = min(k, self.draft_cap)
         if k <= 0 or self.state.end != p or self.state.end == self.state.base:
             return Draft([])
         head = self.head
         block = _Block(self.state, seq[-1], k if head.markov_type is None else 0)  # DFlash: one product
-        batcher = self.state.batcher  # set while other calls draft at once: one forward for them all
-        if batcher is None:
-            hid, every = block.alone()
-        else:
-            hid, every = batcher.join(Job(id(head), block.alone, _together, block))
+        hid, every = yield Job(id(head), block.alone, _together, block)
         tokens, qs, survival = [], [], []
         prev, markov = seq[-1], None
         for slot in range(k):
@@ -302,9 +303,6 @@ class BlockDrafter(Drafter):
         q = torch.stack(qs) if qs[0] is not None else None
         confidence = torch.stack(survival) if survival[0] is not None else None
         return Draft(tokens, q, survival=confidence)
-
-    def step_state(self) -> BlockState:
-        return self.state
 
     def reset(self) -> None:
         self.state.reset()

@@ -33,8 +33,9 @@ from typing import Any
 import torch
 
 from agentspec.forward import NORMED
-from agentspec.kv import Batcher, PassIds, common_prefix_len, crop_layers, growing_cache, to_device
-from agentspec.packed import Job, PackedPass, one_product
+from agentspec.kv import PassIds, common_prefix_len, crop_layers, growing_cache, to_device
+from agentspec.packed import PackedPass, one_product
+from agentspec.steps import Job, Steps, run_alone
 
 EAGLE_ARCHITECTURE = "eagle"
 MAX_PENDING_FEATURES = 4096  # features kept while the head is not fed (a benched draft): the newest
@@ -212,9 +213,6 @@ class EagleState:
         if run is None:
             run = EagleForward(model) if isinstance(model, EagleHead) else model
         self.run = run
-        # set by the scheduler while this state's feeds are to meet other drafting threads' (one pass
-        # of the head for them all, where ``run.packs``), else None
-        self.batcher: Batcher | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -307,7 +305,13 @@ class EagleState:
     @torch.inference_mode()
     def forward(self, new_ids: list[int] | PassIds, keep: int) -> torch.Tensor:
         """Feed ``new_ids``; return the logits of the last ``keep`` of them [keep, V], or [0, V] when
-        the last one could not be fed.
+        the last one could not be fed (``forward_steps``, its feeds run by themselves)."""
+        return run_alone(self.forward_steps(new_ids, keep))
+
+    @torch.inference_mode()
+    def forward_steps(self, new_ids: list[int] | PassIds, keep: int) -> Steps[torch.Tensor]:
+        """``forward`` as a drafter's steps (``agentspec.steps``): each feed of the head is a job that a
+        round of several calls' drafting runs in one pass of the head with theirs.
 
         A token whose previous position has a target feature is fed with it (in one batch); one past
         the verified positions is fed the head's last output (drafting); one whose previous feature
@@ -318,7 +322,7 @@ class EagleState:
         if isinstance(new_ids, PassIds):
             if new_ids.device is not None:
                 assert not new_ids.host, "a drafted token on the device comes alone"
-                return self._draft_step(new_ids.device)
+                return (yield from self._draft_step(new_ids.device))
             new_ids = new_ids.host
         assert new_ids, "forward needs at least one new token"
         assert not self.unread, "host ids cannot follow unread entries: settle first"
@@ -337,7 +341,7 @@ class EagleState:
                 feats = (
                     self._zero_row() if first else self.run.project(self._take(pos - 1, pos - 1 + end - i))
                 )
-                h, logits = self._feed(feats, new_ids[i:end], keep if end == n else 0)
+                h, logits = yield from self._feed(feats, new_ids[i:end], keep if end == n else 0)
                 outs.append(h)
                 self.real = len(self.ids)
                 i, fed_last = end, True
@@ -345,7 +349,9 @@ class EagleState:
                 if self.last is None or len(self.ids) == self.base:
                     break  # nothing to chain from: fed once the target has verified it
                 # the head's own output in place of the feature
-                h, logits = self._feed(self.last[None], new_ids[i : i + 1], keep if i + 1 == n else 0)
+                h, logits = yield from self._feed(
+                    self.last[None], new_ids[i : i + 1], keep if i + 1 == n else 0
+                )
                 outs.append(h)
                 i, fed_last = i + 1, True
             else:  # a feature this call never had (a restored prefix): no entry, restart after it
@@ -361,12 +367,12 @@ class EagleState:
             logits = self.run.scores(torch.cat(outs)[-keep:])
         return logits
 
-    def _draft_step(self, ids: torch.Tensor) -> torch.Tensor:
+    def _draft_step(self, ids: torch.Tensor) -> Steps[torch.Tensor]:
         """Feed drafted tokens still on the device [1] with the head's last output; their logits
         [1, V], or [0, V] with nothing to chain from. Their entries are ``unread``."""
         if self.last is None or len(self.ids) + self.unread == self.base:
             return torch.zeros((0, 1))
-        return self._feed(self.last[None], ids, 1)[1]
+        return (yield from self._feed(self.last[None], ids, 1))[1]
 
     def _zero_row(self) -> torch.Tensor:
         return torch.zeros(
@@ -375,17 +381,15 @@ class EagleState:
 
     def _feed(
         self, feats: torch.Tensor, ids: list[int] | torch.Tensor, keep: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> Steps[tuple[torch.Tensor, torch.Tensor | None]]:
         """Feed ``ids`` beside ``feats`` [n, d]; the head's outputs [n, d] and the logits of the last
-        ``keep`` of them (None for 0), computed with other drafting threads' feeds where it may."""
+        ``keep`` of them (None for 0), computed with other calls' feeds where the head packs them."""
         on_device = isinstance(ids, torch.Tensor)
         x = ids.reshape(1, -1) if on_device else to_device(ids, self.model.device)[None]
         feed = _Feed(self, feats[None].to(self.model.device), x, keep)
+        together = _feeds_together if self.run.packs else None
         try:
-            if self.batcher is not None and self.run.packs:
-                h, logits = self.batcher.join(Job(id(self.run), feed.alone, _feeds_together, feed))
-            else:
-                h, logits = feed.alone()
+            h, logits = yield Job(id(self.run), feed.alone, together, feed)
         except BaseException:
             self.reset()
             raise

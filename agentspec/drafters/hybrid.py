@@ -25,7 +25,6 @@ is the target's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -45,6 +44,7 @@ from agentspec.drafters.schedule import (
 from agentspec.drafters.suffix import SuffixDrafter, SuffixStore, suffix_groups, suffix_prior
 from agentspec.grammar import Constraint
 from agentspec.kv import ModelState
+from agentspec.steps import Steps, run_alone
 
 # auto's suffix candidates may run 3x the match length (the suffix drafter alone: 1x). Auto cuts
 # every candidate to its best prefix by calibrated survival and verify cost, so a longer candidate
@@ -134,20 +134,20 @@ class HybridDrafter(Drafter):
         return 0.0 if self.model is None else self.model.schedule.projected_yield(k)
 
     def propose(
-        self,
-        seq: list[int],
-        k: int,
-        config: GenerationConfig,
-        generator: torch.Generator | None,
-        constraint: Constraint | None = None,
+        self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
     ) -> Draft:
+        return run_alone(self.propose_steps(seq, k, config, generator, constraint))
+
+    def propose_steps(
+        self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
+    ) -> Steps[Draft]:
         if self.calibration is None:
             self._begin(config.greedy)
         suffix, judged, y_suffix = self.suffix_draft(seq, k, config.greedy)
         if suffix.tokens and y_suffix >= self.model_yield(k):
             draft, self.choice, self._judged = suffix, "suffix", judged
         elif self.model is not None:
-            draft = self.model.draft(seq, k, config, generator, constraint)
+            draft = yield from self.model.draft(seq, k, config, generator, constraint)
             self.choice = "model" if len(draft.tokens) else "none"
         else:
             draft, self.choice = Draft([]), "none"
@@ -186,9 +186,6 @@ class HybridDrafter(Drafter):
 
     def kv_state(self) -> ModelState | None:
         return None if self.model is None else self.model.kv_state()
-
-    def step_state(self) -> Any:
-        return None if self.model is None else self.model.step_state()
 
     def adopt_kv_state(self, state: ModelState) -> None:
         self.model.adopt_kv_state(state)  # only a state restored for kv_state().model comes back

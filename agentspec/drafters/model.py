@@ -33,6 +33,7 @@ from agentspec.grammar import Constraint, apply_bitmask
 from agentspec.kv import ModelState, PassIds, common_prefix_len
 from agentspec.sampling import probabilities
 from agentspec.static_kv import StaticState
+from agentspec.steps import Steps, run_alone
 
 CATCH_UP = 32  # the most verified tokens the draft is fed at the end of a call (see ``keep_up``)
 DEVICE_BLOCK = 2  # scheduled greedy drafts: tokens drafted on the device between reads of confidences
@@ -90,12 +91,19 @@ class ModelDrafter(Drafter):
         self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
     ) -> Draft:
         """Up to ``k`` tokens; with a ``constraint``, drawn under its mask and pushed onto its path."""
-        draft = self.draft(seq, k, config, generator, constraint)
+        return run_alone(self.propose_steps(seq, k, config, generator, constraint))
+
+    def propose_steps(
+        self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
+    ) -> Steps[Draft]:
+        draft = yield from self.draft(seq, k, config, generator, constraint)
         self.timer.proposed()
         return draft
 
-    def draft(self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None) -> Draft:
-        """``propose`` without timing the pass (for a drafter that holds this one and times its own)."""
+    def draft(
+        self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None
+    ) -> Steps[Draft]:
+        """``propose_steps`` without timing the pass (for a drafter that holds this one and times its own)."""
         self._fed_at = None
         if k <= 0:
             return Draft([])
@@ -110,9 +118,9 @@ class ModelDrafter(Drafter):
         # the host reads each token only where a grammar pushes it; otherwise the tokens stay on
         # the device until the verification reads them
         if constraint is not None:
-            draft = self._draft_on_host(pending, k, config, generator, constraint)
+            draft = yield from self._draft_on_host(pending, k, config, generator, constraint)
         else:
-            draft = self._draft_on_device(pending, k, config, generator)
+            draft = yield from self._draft_on_device(pending, k, config, generator)
             self._fed_at = len(seq)  # the draft's position in the state: its first unread one
         if sched is not None:
             # a deterministic draft may also be cut after the fact, to its best prefix
@@ -126,17 +134,19 @@ class ModelDrafter(Drafter):
         if self.schedule is not None:
             self.schedule.keep(n)  # what it verifies is what its calibration learns from
 
-    def _logits(self, new: list[int] | PassIds) -> torch.Tensor | None:
+    def _logits(self, new: list[int] | PassIds) -> Steps[torch.Tensor | None]:
         """The next token's logits [V] after feeding ``new`` (None: an EAGLE head had no feature)."""
         start = self.timer.clock.mark()  # on the device's clock: the step is queued, not waited for
-        rows = self.state.forward(new, keep=1)
+        rows = yield from self.state.forward_steps(new, keep=1)
         if not len(rows):
             return None
         if self.schedule is not None and len(new) == 1:
             self.timer.draft_step(self.schedule.cost, start)
         return fit_vocab(rows[-1], self.vocab_size)  # [V]
 
-    def _draft_on_device(self, pending: list[int], k: int, config: GenerationConfig, generator) -> Draft:
+    def _draft_on_device(
+        self, pending: list[int], k: int, config: GenerationConfig, generator
+    ) -> Steps[Draft]:
         """Up to ``k`` tokens as a [n] tensor on the device, each fed back without a host read.
 
         With a greedy schedule, the confidences of a block of DEVICE_BLOCK tokens are read at once
@@ -153,7 +163,7 @@ class ModelDrafter(Drafter):
         confidences: list[torch.Tensor] = []
         included = 0
         while len(tokens) < k:
-            logits = self._logits(new)
+            logits = yield from self._logits(new)
             if logits is None:  # an EAGLE head without the target's feature here: no further draft
                 break
             if config.greedy:
@@ -188,14 +198,16 @@ class ModelDrafter(Drafter):
         read = torch.stack(confidences).tolist()
         return next((i for i, c in enumerate(read) if not self.schedule.include(c)), len(read))
 
-    def _draft_on_host(self, pending, k, config: GenerationConfig, generator, constraint: Constraint):
+    def _draft_on_host(
+        self, pending, k, config: GenerationConfig, generator, constraint: Constraint
+    ) -> Steps[Draft]:
         """Up to ``k`` tokens read one by one, each pushed onto the grammar's path."""
         sched = self.schedule
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         new = pending
         for _ in range(k):
-            logits = self._logits(new)
+            logits = yield from self._logits(new)
             if logits is None:  # an EAGLE head without the target's feature here: no draft
                 break
             bitmask = constraint.bitmask()  # packed: the kernel applies it, nothing is unpacked
@@ -239,9 +251,6 @@ class ModelDrafter(Drafter):
     def kv_state(self) -> ModelState | None:
         # an EAGLE head's cache was fed this call's target features, which the prefix cache does not keep
         return None if self.feature_layers else self.state
-
-    def step_state(self) -> ModelState | EagleState:
-        return self.state
 
     def adopt_kv_state(self, state: ModelState) -> None:
         self.state = self.state.take(state)  # a static state copies it into its buffers

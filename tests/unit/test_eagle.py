@@ -7,8 +7,6 @@ without a feature, the prefix cache, a failing head) leaves the output the targe
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -23,7 +21,8 @@ from agentspec.drafters.block import BlockState
 from agentspec.drafters.eagle import EagleState, is_eagle
 from agentspec.head_folder import new_block_head, new_eagle3
 from agentspec.lean import LeanForward
-from agentspec.packed import Rendezvous
+from agentspec.packed import DraftRound
+from agentspec.steps import Steps, run_alone
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -141,43 +140,33 @@ def head3(etarget):
     return new_eagle3(etarget, [0, 1]).eval()
 
 
-def drive(state: EagleState, width: int, prompt: list[int], drafts: list[int], seed: int) -> list:
-    """A call's first draft on a head's state: the verified prompt fed beside its (random) features,
-    then ``drafts`` chained one by one; the logits of each step."""
+def drive(state: EagleState, width: int, prompt: list[int], drafts: list[int], seed: int) -> Steps[list]:
+    """A call's first draft on a head's state, in steps: the verified prompt fed beside its (random)
+    features, then ``drafts`` chained one by one; the logits of each step."""
     feats = torch.randn(len(prompt), width, generator=torch.Generator().manual_seed(seed))
     state.observe(0, feats[:-1])
-    out = [state.forward(prompt, keep=1)]
-    out += [state.forward([token], keep=1) for token in drafts]
+    out = [(yield from state.forward_steps(prompt, keep=1))]
+    for token in drafts:
+        out.append((yield from state.forward_steps([token], keep=1)))
     return out
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_feeds_of_calls_drafting_at_once_run_as_one_pass_of_the_head(kind, head, head3, epair):
-    """Three calls' head states fed in threads meeting at one rendezvous (as the scheduler drafts):
-    each step of the three is one pass of the head, and each state's logits are what it computes alone."""
+    """Three calls' head states drafting in one round (as the scheduler drafts): each step of the
+    three is one pass of the head, and each state's logits are what it computes alone."""
     model, run = (head, epair.draft_head) if kind == "eagle" else (head3, head3)
     assert run.packs
     width = 32 * len(model.feature_layers)
     calls = [([5, 9, 2, 33, 7, 41, 12, 8], [3, 60, 17]), ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 9, 7]),
              ([7, 7, 30], [30, 30, 2])]  # fmt: skip
-    alone = [drive(EagleState(model, run), width, p, d, seed=i) for i, (p, d) in enumerate(calls)]
-    meeting, together = Rendezvous(len(calls)), [None] * len(calls)
-
-    def call(i: int) -> None:
-        state = EagleState(model, run)
-        state.batcher = meeting
-        try:
-            together[i] = drive(state, width, *calls[i], seed=i)
-        finally:
-            meeting.leave()
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=60)
+    alone = [run_alone(drive(EagleState(model, run), width, p, d, seed=i)) for i, (p, d) in enumerate(calls)]
+    drafting = DraftRound()
+    plans = [drive(EagleState(model, run), width, p, d, seed=i) for i, (p, d) in enumerate(calls)]
+    together = drafting.run(plans, [None] * len(calls))
     # each call's steps (an EAGLE-1 head feeds x_0 beside a zero row first: 5, else 4) in one pass each
-    assert meeting.steps == len(calls) * meeting.passes and meeting.passes == (5 if kind == "eagle" else 4)
+    assert drafting.steps == len(calls) * drafting.passes
+    assert drafting.passes == (5 if kind == "eagle" else 4)
     for want, got in zip(alone, together):
         assert len(got) == len(want)
         for w, g in zip(want, got):

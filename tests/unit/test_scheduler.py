@@ -526,7 +526,7 @@ def test_draft_models_starting_together_compute_their_system_prompt_once(
     bpair, monkeypatch, hf_greedy, chunk
 ):
     """Six calls drafting with the draft model start together after one system prompt: the draft
-    rows of the prompt that one call computes or holds, the others copy (``packed.Rendezvous``), both
+    rows of the prompt that one call computes or holds, the others copy (``packed.DraftRound``), both
     where the target's prompts are fed in chunks and in one pass; every reply is its solo one."""
     monkeypatch.setattr(bpair.scheduler, "prefill_chunk", chunk)
     prompts = shared_prompts(6)
@@ -633,3 +633,42 @@ def test_rows_copied_from_another_state_are_the_rows_computed(bpair, monkeypatch
     assert broken.ids == SYSTEM[:5]
     assert all(layer.get_seq_length() == 5 for layer in broken.cache.layers)
     assert broken.take_rows(donor, len(SYSTEM)) == len(SYSTEM) - 5
+
+
+# --- the threads a call runs on ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafter", ["model", "auto"])
+def test_eight_calls_run_on_their_callers_threads_and_the_pass_thread_only(bpair, hf_greedy, drafter):
+    """Eight calls drafting with the draft model at once: every function of the library runs on a
+    caller's thread or on the one pass thread (drafting included: no pool of drafting threads), the
+    draft model's steps of the calls packed, and every reply is its solo one."""
+    prompts = shared_prompts(8)
+    callers: set[int] = set()
+    ran: set[int] = set()  # threads that ran a function of the library
+    names: dict[int, str] = {}
+
+    def profile(frame, event, _arg) -> None:
+        if event == "call" and "/agentspec/" in frame.f_code.co_filename.replace("\\", "/"):
+            me = threading.current_thread()
+            ran.add(me.ident)
+            names[me.ident] = me.name
+
+    def call(prompt: list[int]):
+        callers.add(threading.get_ident())
+        return agentspec.generate(bpair, prompt, drafter, False, max_new_tokens=N_NEW)
+
+    steps0, passes0 = bpair.scheduler.stats.draft_steps, bpair.scheduler.stats.draft_passes
+    threading.setprofile(profile)  # threads started from here on: the callers and the pass thread
+    try:
+        results = start_together(bpair, [lambda p=p: call(p) for p in prompts])
+    finally:
+        threading.setprofile(None)
+    for prompt, r in zip(prompts, results):
+        assert not isinstance(r, Exception), r
+        assert_same(bpair.target, prompt, r.token_ids, hf_greedy(bpair.target, prompt, N_NEW))
+    assert len(callers) == 8
+    others = {names[t] for t in ran - callers}
+    assert others <= {"agentspec-passes"}, others
+    steps = bpair.scheduler.stats.draft_steps - steps0
+    assert steps > bpair.scheduler.stats.draft_passes - passes0 > 0  # steps of several calls packed
