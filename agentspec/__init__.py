@@ -7,7 +7,7 @@ the LangChain chat model, is the distribution ``langchain-agentspec``:
 
 import agentspec.numerics  # noqa: F401  (first: it refuses a transformers older than the cache API)
 from agentspec.config import GenerationConfig
-from agentspec.decode import DecodeTimeout, GenerationResult, Step, decode_steps, generate, stream
+from agentspec.decode import DecodeTimeout, GenerationResult, Step, generate, stream
 from agentspec.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from agentspec.grammar import Constraint, Grammar, GrammarError
 from agentspec.memory import DeviceOutOfMemory
@@ -30,7 +30,6 @@ __all__ = [
     "PromptLookupDrafter",
     "Step",
     "TokenizerMismatchError",
-    "decode_steps",
     "generate",
     "load_pair",
     "stream",

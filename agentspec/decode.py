@@ -2,11 +2,10 @@
 
 A pass is planned (``_plan``: forced tokens, the draft, what the target is fed), run (a target
 forward), judged on the device (``_judge``), read, and landed (``_land``: accept, roll back, finish).
-``_one_pass`` does it for one call alone and ``_passes`` loops it: ``decode_steps`` checks the prompt and
-runs them in the caller's thread. ``stream`` makes the call a member of the pair's scheduler
-(``agentspec.scheduler``), whose passes run the planned shares of every call on the pair in one
-forward; it adds the drafter's health and the prefix cache (read in ``_restore`` when the call joins,
-written in ``_save`` when it leaves). ``run`` wraps ``stream`` in a ``Run`` that ends in the call's
+``stream`` makes a call a member of the pair's scheduler (``agentspec.scheduler``), whose passes run
+the planned shares of every call on the pair in one forward (a call alone is a pass of one); it adds
+the drafter's health and the prefix cache (read in ``_restore`` when the call joins, written in
+``_save`` when it leaves). ``run`` wraps ``stream`` in a ``Run`` that ends in the call's
 ``CallRecord``. Every entry point (``generate``, ``agentspec.chat.run`` for the LangChain chat model
 and the server, the benchmarks) consumes one of these.
 
@@ -36,7 +35,6 @@ from agentspec import logprobs as lp
 from agentspec.config import GenerationConfig
 from agentspec.cost import baseline_seconds
 from agentspec.drafters import Draft, Drafter
-from agentspec.drafters.base import Adopted, DrafterLike
 from agentspec.drafters.registry import build_drafter, check_name
 from agentspec.drafters.schedule import survival
 from agentspec.drafters.tenants import TenantStore
@@ -44,11 +42,11 @@ from agentspec.grammar import Constraint, Grammar, apply_bitmask
 from agentspec.kv import ModelState, PassIds, to_device
 from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
 from agentspec.models import ModelPair
-from agentspec.packed import Read, Verdict, read_verdicts
+from agentspec.packed import Read, Verdict
 from agentspec.sampling import keyed_scores, make_generator, probabilities
 from agentspec.scheduler import LOOKAHEAD, Member
 from agentspec.stats import DecodeStats
-from agentspec.steps import Steps, run_alone
+from agentspec.steps import Steps
 from agentspec.text import TextTracker
 from agentspec.threads import release_pool
 from agentspec.verify import greedy_accept, speculative_accept
@@ -111,8 +109,6 @@ def resolve_drafter(
         return None
     if isinstance(drafter, Drafter):
         return drafter
-    if isinstance(drafter, DrafterLike):  # written to the earlier Protocol: name, propose, feedback, reset
-        return Adopted(drafter)
     return build_drafter(pair, check_name(drafter), pair.tenants.memory(namespace))
 
 
@@ -246,7 +242,7 @@ def _fit_to_grammar(constraint: Constraint, tokens: list[int], start: int, sampl
 
 @dataclass
 class _Call:
-    """One call's decoding state, read and advanced by each pass (``_one_pass``)."""
+    """One call's decoding state, read and advanced by each pass (``_Member``)."""
 
     pair: ModelPair
     config: GenerationConfig
@@ -575,11 +571,6 @@ def _accept(
     return n, token, accepted
 
 
-def _verify_alone(call: _Call, p: _Pass):
-    """The call's pass as a forward of its own (a scheduler packs several calls' into one)."""
-    return forward_retrying(call.target, p.feed, p.keep, call.free_memory, p.tap)
-
-
 def _land(call: _Call, p: _Pass, read: Read | None, hidden: torch.Tensor | None = None) -> Step:
     """Accept, roll back, finish: what the pass (``read``: its verdict as read; None when no
     forward ran, the grammar alone) adds to the call's output."""
@@ -634,40 +625,6 @@ def _land(call: _Call, p: _Pass, read: Read | None, hidden: torch.Tensor | None 
     )
 
 
-def _read_whole(call: _Call, p: _Pass, verdict: Verdict) -> Read:
-    """``read_verdicts``; a failed read leaves the call's state as before the pass."""
-    try:
-        return read_verdicts([verdict])[0]
-    except BaseException:
-        call.target.truncate(p.at)
-        raise
-
-
-def _one_pass(call: _Call) -> Step:
-    """Draft, verify, accept, roll back: what one target pass (or a grammar alone) adds to the output."""
-    p = run_alone(_plan(call))
-    read = hidden = None
-    if p.feed is not None:  # a verify pass, or one that scores the forced tokens that finish the call
-        verdict, hidden = _judge(call, p, _verify_alone(call, p))
-        read = _read_whole(call, p, verdict)
-    step = _land(call, p, read, hidden)
-    if step.target_pass:  # every timed pass teaches the pair's cost model, whoever reads it
-        call.pair.cost.observe(step.fed, step.cached, step.seconds)
-    return step
-
-
-def _passes(call: _Call) -> Iterator[Step]:
-    """The loop: one pass after another until one finishes the call, or its deadline has passed
-    when the next would start (a finished call returns its reply however late its last pass)."""
-    while True:
-        step = _one_pass(call)
-        yield step
-        if step.finish_reason is not None:
-            return
-        if (late := _late(call)) is not None:
-            raise late
-
-
 def _late(call: _Call) -> DecodeTimeout | None:
     """The timeout of a call whose deadline has passed (None: it has time left, or no deadline)."""
     if call.deadline is None or time.perf_counter() <= call.deadline:
@@ -677,34 +634,6 @@ def _late(call: _Call) -> DecodeTimeout | None:
         f"agentspec: timed out decoding after {call.config.timeout:g} s, the wait for the model "
         f"included ({n} output {'token' if n == 1 else 'tokens'} verified by then)"
     )
-
-
-def decode_steps(
-    pair: ModelPair,
-    prompt_ids: list[int],
-    config: GenerationConfig,
-    drafter: Drafter | None = None,
-    target: ModelState | None = None,
-    grammar: Grammar | Constraint | None = None,
-    free_memory: Callable[[], None] | None = None,
-) -> Iterator[Step]:
-    """Generate after ``prompt_ids``, yielding one Step per target pass, the last with a finish reason.
-
-    ``target`` may carry a KV state restored from the prefix cache: only the ids it does not cover
-    are prefilled. On return (or on close) it covers exactly the verified sequence minus its last
-    token, ready to be saved.
-
-    ``grammar`` (a ``Grammar``, or a fresh ``Constraint`` for one) constrains the output: the
-    target's logits at every verified position are masked to the tokens the grammar allows, so the
-    output is drawn from the target's distribution restricted to the grammar, exactly as plain
-    constrained decoding would draw it. With ``config.jump_forward``, a token that the grammar
-    alone allows is appended without a model guess (it is fed with the next pass), and text the
-    grammar forces is proposed as draft tokens.
-    """
-    start = time.perf_counter()
-    ids = check_prompt(pair, prompt_ids)
-    call = _begin(pair, ids, config, drafter, target, grammar, free_memory, start, _deadline(config, start))
-    yield from _passes(call)
 
 
 def _config(options: dict) -> GenerationConfig:
@@ -902,8 +831,12 @@ def stream(
 ) -> Iterator[Step]:
     """Yield Steps as tokens are verified. Options are GenerationConfig fields (or ``config=``).
 
-    ``grammar`` (an ``agentspec.grammar.Grammar`` or ``Constraint``) constrains the output; see
-    ``decode_steps``.
+    ``grammar`` (an ``agentspec.grammar.Grammar``, or a fresh ``Constraint`` for one) constrains the
+    output: the target's logits at every verified position are masked to the tokens the grammar
+    allows, so the output is drawn from the target's distribution restricted to the grammar, exactly
+    as plain constrained decoding would draw it. With ``config.jump_forward``, a token that the
+    grammar alone allows is appended without a model guess (it is fed with the next pass), and text
+    the grammar forces is proposed as draft tokens.
 
     The call decodes in the pair's scheduler (``pair.scheduler``, ``agentspec.scheduler``): its passes
     are shared with every other call running on the pair, one target forward for all of them, and

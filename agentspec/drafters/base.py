@@ -7,7 +7,7 @@ means "not used": the loop never probes a drafter for what it can do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -123,38 +123,3 @@ class Drafter:
 
     def catch_up(self, ids: list[int]) -> None:
         """Bring ``kv_state()`` up to ``ids`` (the target's cached ids) before it is saved."""
-
-
-@runtime_checkable
-class DrafterLike(Protocol):
-    """What a drafter had to define before ``Drafter`` was a base class; such objects still work."""
-
-    name: str
-
-    def propose(
-        self, seq: list[int], k: int, config: GenerationConfig, generator: torch.Generator | None
-    ) -> Draft: ...
-
-    def feedback(self, seq: list[int], n_accepted: int, n_drafted: int) -> None: ...
-
-    def reset(self) -> None: ...
-
-
-class Adopted(Drafter):
-    """A ``DrafterLike`` object that does not subclass ``Drafter``, with the defaults for the rest."""
-
-    def __init__(self, inner: DrafterLike):
-        self.inner = inner
-        self.name = inner.name
-        # the earlier Protocol documented draft_cap as optional: the one attribute read off a foreign
-        # object, here at the boundary, so the loop itself reads only declared members
-        self.draft_cap = getattr(inner, "draft_cap", None)
-
-    def propose(self, seq, k, config, generator, constraint=None) -> Draft:
-        return self.inner.propose(seq, k, config, generator)
-
-    def feedback(self, seq: list[int], n_accepted: int, n_drafted: int) -> None:
-        self.inner.feedback(seq, n_accepted, n_drafted)
-
-    def reset(self) -> None:
-        self.inner.reset()

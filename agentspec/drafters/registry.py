@@ -105,7 +105,12 @@ def check_name(name: Any) -> str:
         return DEFAULT
     if isinstance(name, str) and name in BUILDERS:
         return name
-    raise ValueError(f"drafter: expected one of {NAMES} or a Drafter, got {name!r}")
+    if isinstance(name, str):
+        raise ValueError(f"drafter: expected one of {NAMES} or a Drafter, got {name!r}")
+    raise ValueError(
+        f"drafter: expected one of {NAMES} or a Drafter, got a {type(name).__name__}: subclass "
+        "agentspec.Drafter (its members have defaults: define name and propose)"
+    )
 
 
 def build_drafter(pair: DraftSource, name: str | None, memory: DraftMemory | None = None) -> Drafter | None:

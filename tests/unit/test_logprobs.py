@@ -12,7 +12,6 @@ import agentspec
 from agentspec import ModelPair
 from agentspec import grammar as G
 from agentspec.config import GenerationConfig
-from agentspec.decode import decode_steps, resolve_drafter
 from agentspec.logprobs import FLOOR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,13 +67,6 @@ def test_logprobs_are_the_targets_with_speculation(pair, drafter, temperature):
 def test_without_logprobs_none_are_computed(pair):
     steps = list(agentspec.stream(pair, PROMPTS[0], "model", False, max_new_tokens=8))
     assert all(s.logprobs is None for s in steps)
-
-
-def test_the_solo_loop_scores_too(pair):
-    """``agentspec.decode`` (one call, no scheduler) reads the same scores."""
-    config = GenerationConfig(max_new_tokens=16, logprobs=TOP, num_draft_tokens=3)
-    steps = list(decode_steps(pair, PROMPTS[1], config, resolve_drafter(pair, "model")))
-    check(pair.target, PROMPTS[1], steps)
 
 
 @pytest.mark.parametrize("drafter", ["model", "none"])

@@ -11,8 +11,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import agentspec
 from agentspec.attention import use_grouped_sdpa
 from agentspec.bench.syncs import HostSyncs
-from agentspec.config import GenerationConfig
-from agentspec.decode import decode_steps
 from agentspec.drafters.model import ModelDrafter
 from agentspec.kv import ModelState
 from agentspec.models import ModelPair
@@ -237,7 +235,7 @@ def test_the_compiled_step_matches_the_eager_one(hf_greedy, pair):
     assert drafter.state.compiled and result.stats.accepted_tokens > 0
 
 
-def test_a_compiled_verify_pass_pads_to_its_width(pair, hf_greedy):
+def test_a_compiled_verify_pass_pads_to_its_width(pair):
     """The target's verify pass compiled at width k + 1: shorter feeds are padded, then rolled back."""
     model = pair.target
     seq = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -251,12 +249,6 @@ def test_a_compiled_verify_pass_pads_to_its_width(pair, hf_greedy):
     for s in (a, b):
         s.truncate(25)
     both(a, b, seq[25:27], keep=2)
-    prompt = [5, 9, 11, 40, 2]
-    target = StaticState(model, capacity=64, compiled=True, width=4)
-    config = GenerationConfig(max_new_tokens=16, num_draft_tokens=3)
-    steps = list(decode_steps(pair, prompt, config, drafter=ModelDrafter(pair.draft, VOCAB), target=target))
-    assert [t for step in steps for t in step.tokens] == hf_greedy(model, prompt, 16)
-    assert len(target.ids) == len(prompt) + 15 and target._step is not None  # the last token: not fed yet
 
 
 def test_a_padded_feed_that_does_not_fit_runs_eager(target):

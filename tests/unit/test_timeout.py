@@ -124,13 +124,6 @@ def test_a_call_that_finishes_in_its_first_pass_returns_however_late(fresh, hf_g
     assert result.finish_reason == "length" and result.token_ids == hf_greedy(target, PROMPT, 1)
 
 
-def test_decode_without_the_lock_keeps_the_deadline_too(fresh):
-    steps = agentspec.decode_steps(fresh, PROMPT, GenerationConfig(timeout=0, **OPTS))
-    next(steps)
-    with pytest.raises(DecodeTimeout, match="decoding"):
-        next(steps)
-
-
 @pytest.mark.parametrize(
     ("timeout", "error"),
     [(-1, ValueError), (float("inf"), ValueError), (float("nan"), ValueError)]
