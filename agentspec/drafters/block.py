@@ -279,30 +279,9 @@ class BlockDrafter(Drafter):
         head = self.head
         block = _Block(self.state, seq[-1], k if head.markov_type is None else 0)  # DFlash: one product
         hid, every = yield Job(id(head), block.alone, _together, block)
-        tokens, qs, survival = [], [], []
-        prev, markov = seq[-1], None
-        for slot in range(k):
-            if every is not None:
-                logits, chance = every[slot], None
-            else:
-                logits, chance, markov = head.step(hid[slot], prev, markov)
-            if constraint is not None:
-                bitmask = constraint.bitmask()
-                if constraint.terminated or not bool(bitmask.any()):
-                    break
-                logits = apply_bitmask(logits[None], bitmask[None])[0]
-            token, q = _draw(logits.float(), config, generator)
-            if constraint is not None and not constraint.push(token):
-                break
-            tokens.append(token)
-            qs.append(q)
-            survival.append(chance)
-            prev = token
-        if not tokens:
-            return Draft([])
-        q = torch.stack(qs) if qs[0] is not None else None
-        confidence = torch.stack(survival) if survival[0] is not None else None
-        return Draft(tokens, q, survival=confidence)
+        if constraint is None:
+            return _on_device(head, hid, every, seq[-1], k, config, generator)
+        return _under_grammar(head, hid, every, seq[-1], k, config, generator, constraint)
 
     def reset(self) -> None:
         self.state.reset()
@@ -339,6 +318,68 @@ def _together(jobs: list[Job]) -> list[tuple[torch.Tensor, torch.Tensor | None]]
         [h[: blk.scored] if blk.scored else None for h, blk in zip(hids, blocks)], head.scores
     )
     return list(zip(hids, scored))
+
+
+def _on_device(
+    head: BlockHead, hid, every, anchor: int, k: int, config: GenerationConfig, generator
+) -> Draft:
+    """The block's ``k`` tokens drawn on the device, none read: DFlash's slots at once, DSpark's slot by
+    slot (its Markov step takes the previous token as a device index). The verification reads them
+    with its result."""
+    if every is not None:  # DFlash: every slot scored in one product
+        tokens, q = _draw_rows(every[:k].float(), config, generator)
+        return Draft(tokens, q)
+    prev = to_device([anchor], head.device)[0]
+    tokens, qs, survival, markov = [], [], [], None
+    for slot in range(k):
+        logits, chance, markov = head.step(hid[slot], prev, markov)
+        token, q = _draw_rows(logits[None].float(), config, generator)
+        prev = token[0]
+        tokens.append(prev)
+        qs.append(q)
+        survival.append(chance)
+    q = torch.cat(qs) if qs[0] is not None else None
+    confidence = torch.stack(survival) if survival[0] is not None else None
+    return Draft(torch.stack(tokens), q, survival=confidence)
+
+
+def _under_grammar(head: BlockHead, hid, every, anchor: int, k, config, generator, constraint) -> Draft:
+    """The block's tokens each drawn under the grammar's mask and pushed onto its path (read one by
+    one: the grammar's matcher runs on the host)."""
+    tokens, qs, survival = [], [], []
+    prev, markov = anchor, None
+    for slot in range(k):
+        if every is not None:
+            logits, chance = every[slot], None
+        else:
+            logits, chance, markov = head.step(hid[slot], prev, markov)
+        bitmask = constraint.bitmask()
+        if constraint.terminated or not bool(bitmask.any()):
+            break
+        logits = apply_bitmask(logits[None], bitmask[None])[0]
+        token, q = _draw(logits.float(), config, generator)
+        if not constraint.push(token):
+            break
+        tokens.append(token)
+        qs.append(q)
+        survival.append(chance)
+        prev = token
+    if not tokens:
+        return Draft([])
+    q = torch.stack(qs) if qs[0] is not None else None
+    confidence = torch.stack(survival) if survival[0] is not None else None
+    return Draft(tokens, q, survival=confidence)
+
+
+def _draw_rows(
+    logits: torch.Tensor, config: GenerationConfig, generator
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A token per row of ``logits`` [n, V], on the device: the argmax when greedy, else a draw from
+    the warped distribution (returned as q [n, V])."""
+    if config.greedy:
+        return logits.argmax(-1), None
+    q = probabilities(logits, config.temperature, config.top_k, config.top_p)
+    return torch.multinomial(q, 1, generator=generator)[:, 0], q
 
 
 def _draw(logits: torch.Tensor, config: GenerationConfig, generator) -> tuple[int, torch.Tensor | None]:

@@ -21,6 +21,7 @@ from agentspec.cache import PrefixCache
 from agentspec.distill.student import build_eagle
 from agentspec.drafters import Drafter
 from agentspec.drafters.prompt_lookup import NgramIndex, lookup
+from agentspec.head_folder import new_block_head, new_eagle3
 from agentspec.kv import ModelState, PassIds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,13 +58,40 @@ def test_greedy_passes_read_the_device_about_once(pair, prompt, drafter, cached,
     assert tokens == hf_greedy(target, prompt, N_NEW)
 
 
-def test_an_eagle_head_drafts_on_the_device_too(tiny_llama, fake_tokenizer, prompt, hf_greedy):
-    etarget = tiny_llama(3, vocab_size=64, hidden=32, layers=2, max_positions=512, logit_scale=4.0)
+def _head(kind: str, target) -> torch.nn.Module:
+    """An untrained head of ``kind`` over ``target`` (the speculators format's, for the block heads)."""
     torch.manual_seed(0)
-    epair = ModelPair(target=etarget, draft=build_eagle(etarget, 1).eval(), tokenizer=fake_tokenizer(64))
-    per_pass, tokens = _syncs_per_pass(epair, prompt, "model", False)
-    assert per_pass <= 1.0, per_pass
-    assert tokens == hf_greedy(etarget, prompt, N_NEW)
+    if kind == "eagle":
+        return build_eagle(target, 1).eval()
+    if kind == "eagle3":
+        return new_eagle3(target, [0, 1]).eval()
+    if kind == "dflash":
+        return new_block_head(target, "dflash", [0, 1], block_size=4, mask_token_id=4).eval()
+    head = new_block_head(target, "dspark", [1], block_size=4, mask_token_id=4)
+    with torch.no_grad():
+        for p in head.markov_head.parameters():
+            p.normal_(0, 0.5)
+    return head.eval()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash", "dspark"])
+def test_a_head_drafts_on_the_device_too(kind, tiny_llama, fake_tokenizer, prompt, hf_greedy):
+    """EAGLE-1 and EAGLE-3 heads chain their drafts on the device; a DFlash block's slots are drawn
+    at once and a DSpark block's slot by slot, its Markov step indexed by the previous token on the
+    device: none reads a draft token, the verification reads them with its result."""
+    etarget = tiny_llama(3, vocab_size=64, hidden=32, layers=2, max_positions=512, logit_scale=4.0)
+    epair = ModelPair(target=etarget, draft=_head(kind, etarget), tokenizer=fake_tokenizer(64))
+    stats, tokens = [], []
+    with HostSyncs(epair) as syncs:
+        for seed in range(3):  # sampled as well: drawn on the device too
+            options = {"temperature": 0.9, "seed": seed} if seed else {}
+            steps = list(agentspec.stream(epair, prompt, "model", False, max_new_tokens=N_NEW, **options))
+            tokens.append([t for step in steps for t in step.tokens])
+            stats.append(steps[-1].stats)
+    assert tokens[0] == hf_greedy(etarget, prompt, N_NEW)
+    passes = sum(s.verify_steps for s in stats)
+    assert syncs.count <= passes, (syncs.count, passes, syncs.where)
+    assert all(s.draft_tokens > 0 and s.draft_failures == 0 for s in stats), stats
 
 
 def test_sampled_verification_reads_once_per_pass(pair, prompt):
