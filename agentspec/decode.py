@@ -44,7 +44,7 @@ from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, re
 from agentspec.models import ModelPair
 from agentspec.packed import Read, Verdict
 from agentspec.sampling import keyed_scores, make_generator, probabilities
-from agentspec.scheduler import LOOKAHEAD, Member
+from agentspec.scheduler import LOOKAHEAD, Member, NotTaken
 from agentspec.stats import DecodeStats
 from agentspec.steps import Steps
 from agentspec.text import TextTracker
@@ -840,8 +840,8 @@ def stream(
 
     The call decodes in the pair's scheduler (``pair.scheduler``, ``agentspec.scheduler``): its passes
     are shared with every other call running on the pair, one target forward for all of them, and
-    each call's output is what it would be alone. The pair's lock is held to join (restore from the
-    prefix cache) and to leave (save to it), never across passes.
+    each call's output is what it would be alone. The engine's thread joins it (restores from the
+    prefix cache) and leaves it (saves to it) between passes; the caller only reads its Steps.
 
     ``prefix_cache``: True uses the pair's cache (restore the longest cached prefix, save the
     verified state afterwards), False decodes from scratch (the no-reuse baseline, same loop), or
@@ -884,24 +884,35 @@ def _calls(
     start = time.perf_counter()  # the call's times and its deadline count from here, the wait included
     deadline = _deadline(config, start)
     scheduler = pair.scheduler
-    with scheduler.caller_turn(config.timeout) as joined:
-        if not joined:
-            raise DecodeTimeout(
-                f"agentspec: timed out after {config.timeout:g} s waiting for the model: "
-                "another call holds it"
-            )
+
+    def join() -> tuple[_Member, Drafter | None]:  # in the engine's thread, between passes
         ids = check_prompt(pair, prompt_ids)
-        d, resting = _ready(pair.tenants, namespace, d, key)
+        ready, resting = _ready(pair.tenants, namespace, d, key)
         target = (
-            _restore(pair, cache, ids, d, namespace) if cache is not None else ModelState(pair.target_forward)
+            _restore(pair, cache, ids, ready, namespace)
+            if cache is not None
+            else ModelState(pair.target_forward)
         )
         free = cache.clear if cache is not None else None
-        call = _begin(pair, ids, config, d, target, grammar, free, start, deadline)
+        call = _begin(pair, ids, config, ready, target, grammar, free, start, deadline)
         call.stats.draft_cooldown = resting
         member = _Member(pair, call, cancelled, namespace)
         scheduler.add(member)
-    release_pool()  # the restore's pool: from here this thread waits on the pass thread (agentspec.threads)
-    ended = False  # finished, or closed by the caller: not failed
+        return member, ready
+
+    try:
+        member, d = scheduler.call(join, config.timeout)
+    except NotTaken:
+        raise DecodeTimeout(
+            f"agentspec: timed out after {config.timeout:g} s waiting for the model: another call holds it"
+        ) from None
+    call, ended = member.call, False  # ended: finished, or closed by the caller (not failed)
+    release_pool()  # a pool this thread's own work made: from here it only waits (agentspec.threads)
+
+    def leave() -> None:  # in the engine's thread, between passes
+        scheduler.remove(member)
+        _leave(pair, cache, call, d, key, namespace, ended)
+
     try:
         yield from member.steps()
         ended = True
@@ -910,12 +921,9 @@ def _calls(
         raise
     finally:
         member.closed = True
-        with scheduler.caller_turn(None):
-            scheduler.remove(member)
-            _leave(pair, cache, call, d, key, namespace, ended)
+        scheduler.call(leave)
         if left is not None:
             left.append(call.stats)
-        release_pool()  # the save's copies made this thread a pool (agentspec.threads)
 
 
 def prefill(
@@ -926,32 +934,35 @@ def prefill(
     it: the server's n choices of one request prefill their prompt once. Returns (tokens restored
     from the cache, tokens computed); with no cache, (0, 0) and nothing is computed.
 
-    While other calls decode, the prompt is fed in the scheduler's chunks, the pair's lock taken
-    for each and let go between them, so their passes go on beside it, as for a call's own prompt.
+    While other calls decode, the prompt is fed in the scheduler's chunks, each a task of the engine
+    between passes, so their passes go on beside it, as for a call's own prompt.
     """
     cache = _pick_cache(pair, prefix_cache)
     if cache is None:
         return 0, 0
     ids, scheduler = check_prompt(pair, prompt_ids), pair.scheduler
-    with scheduler.caller_turn(None):
-        target = _restore(pair, cache, ids, None, namespace)
+    target = scheduler.call(lambda: _restore(pair, cache, ids, None, namespace))
     restored = len(target.ids)
+
+    def chunk() -> None:  # in the engine's thread: the others' passes run between chunks
+        rest = ids[len(target.ids) : -1]
+        size = scheduler.prefill_chunk if scheduler.running else len(rest)
+        forward_retrying(target, rest[:size], 1, cache.clear)
+
+    def save() -> None:
+        with cache_oom_frees_cache(cache, "saving to"):
+            cache.save(pair, {"target": target}, namespace)
+
     while len(target.ids) < len(ids) - 1:
-        with scheduler.caller_turn(None):
-            rest = ids[len(target.ids) : -1]
-            size = scheduler.prefill_chunk if scheduler.running else len(rest)
-            forward_retrying(target, rest[:size], 1, cache.clear)
-            release_pool()  # between chunks the others' passes run (agentspec.threads)
-    with scheduler.caller_turn(None), cache_oom_frees_cache(cache, "saving to"):
-        cache.save(pair, {"target": target}, namespace)
-    release_pool()
+        scheduler.call(chunk)
+    scheduler.call(save)
     return restored, len(target.ids) - restored
 
 
 def _leave(
     pair: ModelPair, cache, call: _Call, d, key: str | None, namespace: str | None, ended: bool
 ) -> None:
-    """A call's end, holding the pair's lock: its drafter's (``d``, dropped by the call or not)
+    """A call's end, in the engine's thread between passes: its drafter's (``d``, dropped by the call or not)
     health, and its verified state saved."""
     stats = call.stats
     if key is not None and call.passes and stats.drafter is not None:
@@ -1011,7 +1022,7 @@ class CallRecord:
 
     The one record of a call that the span, the chat model's metadata and the server's response all
     read, so they report the same figures. ``decode_s`` is the decoder's own time: its passes and the
-    time around them (the wait for the pair's lock and the cache restore before the first, the cache
+    time around them (the wait for the engine and the cache restore before the first, the cache
     save after the last), not the time the caller spent between Steps. ``baseline_s`` prices the same
     call with plain decoding and no cache on the pair's cost model (``agentspec.cost``), which the
     loop taught from every pass of this call before the estimate was made.
@@ -1041,7 +1052,7 @@ class CallRecord:
 class Run:
     """One call's Steps (iterate once) and, after ``close``, its ``CallRecord`` (``record``).
 
-    Closing it closes the Step generator in the calling thread (which releases the pair's lock and
+    Closing it closes the Step generator in the calling thread (the call leaves the engine, which
     saves the verified part to the prefix cache) and makes the record; a run that raised or was
     left early is closed the same way. ``run`` makes one from ``stream``'s arguments.
     """

@@ -14,7 +14,6 @@ reads back once, with its own result). Their positions are ``unread`` until ``se
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,7 +23,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from agentspec.forward import Forward, PlainForward, side_by_side
-from agentspec.steps import Job, Steps
 
 
 def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
@@ -296,16 +294,6 @@ class ModelState:
         self.advance(new)
         logits = out.logits[-keep:]
         return (logits, side_by_side(out.features, slice(-len(new), None))) if features else logits
-
-    def forward_steps(self, new_ids: list[int] | PassIds, keep: int) -> Steps[torch.Tensor]:
-        """``forward`` as a drafter's step (``agentspec.steps``): a round of several calls' drafting
-        runs it in one packed pass with their steps of this model, where the pass can feed it."""
-        from agentspec.packed import forward_together, packable  # packed.py builds on this module
-
-        new = new_ids if isinstance(new_ids, PassIds) else PassIds(new_ids)
-        together = forward_together if packable(self) else None
-        alone = functools.partial(self.forward, new, keep)
-        return (yield Job(id(self.model_forward), alone, together, (self, new, keep)))
 
     def advance(self, new: PassIds) -> None:
         """A pass fed ``new`` after the cached positions (this state's own, or a packed one): its

@@ -141,6 +141,24 @@ def forward_packed(
     return results
 
 
+class DraftState(ModelState):
+    """A draft model's ``ModelState``, whose forwards are also drafting steps (``forward_steps``) that a
+    round of several calls' drafting runs as one packed pass (``DraftRound``)."""
+
+    def forward_steps(self, new_ids: list[int] | PassIds, keep: int) -> Steps[torch.Tensor]:
+        """``forward`` as a drafter's step (``agentspec.steps``): packed with the round's other steps
+        of this model where the pass can feed it."""
+        new = new_ids if isinstance(new_ids, PassIds) else PassIds(new_ids)
+        together = forward_together if packable(self) else None
+        alone = functools.partial(self.forward, new, keep)
+        return (yield Job(id(self.model_forward), alone, together, (self, new, keep)))
+
+    def take(self, state: ModelState) -> DraftState:
+        """This state, now holding what ``state`` (restored from the prefix cache) holds."""
+        self.cache, self.ids, self.unread = state.cache, state.ids, state.unread
+        return self
+
+
 class DraftRound:
     """The drafting of several calls, their model steps run together (``agentspec.steps``).
 

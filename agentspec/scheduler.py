@@ -2,13 +2,14 @@
 
 Every call on a pair (``agentspec.decode.stream`` and all that consume it: ``generate``, the chat
 model's invoke, stream, batch and async forms, the server) is a ``Member`` of the pair's one
-``Scheduler``. Its thread runs the passes: each pass asks every running member for its share (its
-draft, and the tokens to feed: pending, forced, drafted), runs **one** target forward over the new
-rows of all of them (``agentspec.packed``), and hands each member its logits to accept, roll back and
-turn into its caller's Step. Members join between passes (the caller's thread restores the prefix
-cache and begins the call while it holds the pair's lock) and leave between passes (the caller's
-thread saves the verified state); no call holds the lock across passes: the scheduler takes it for
-each pass, and hands it to callers waiting to join or leave before the next.
+``Scheduler``. Its thread, the engine's, owns the models: each pass asks every running member for
+its share (its draft, and the tokens to feed: pending, forced, drafted; the members' drafting steps
+run together, ``agentspec.packed.DraftRound``), runs **one** target forward over the new rows of all
+of them (``agentspec.packed``), and hands each member its logits to accept, roll back and turn into
+its caller's Step. A caller never runs the models: it hands the engine its join (the prompt
+checked, the prefix cache restored, the member added) and its leave (the verified state saved) as
+tasks (``Scheduler.call``), which the engine runs between passes, and reads its Steps from its
+member's outbox.
 
 A long prompt joining while others decode is prefilled in chunks of ``prefill_chunk`` tokens, one
 per pass, beside the others' rows (vLLM's chunked prefill), so it does not stall them; where
@@ -204,6 +205,21 @@ def urgent(members: list[Member]) -> list[Member]:
     return [m for m in members if not m.prefilling or m.priority == best]
 
 
+class NotTaken(TimeoutError):
+    """A caller's task waited longer than its timeout for the engine (``Scheduler.call``)."""
+
+
+@dataclass
+class _Task:
+    """A caller's function for the engine's thread to run between passes (``Scheduler.call``)."""
+
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    taken: bool = False  # the engine took it: it runs to its end, whatever the caller's timeout
+    out: Any = None
+    error: BaseException | None = None
+
+
 class Scheduler:
     """The passes of one pair (``ModelPair.scheduler``); see the module docstring."""
 
@@ -217,7 +233,7 @@ class Scheduler:
         schedule_drafts: bool = SCHEDULE_DRAFTS,
         share_prompts: bool = SHARE_PROMPTS,
     ):
-        self.lock = lock  # the pair's: held for each pass, and by callers joining or leaving
+        self.lock = lock  # the pair's: held by the engine's thread for each pass and each task
         self.cost = cost  # the pair's: what a pass of so many rows costs (``draft_cap``)
         self.prefill_chunk = prefill_chunk
         self.load_factor = load_factor  # None: members draft as alone, whatever the load
@@ -228,9 +244,10 @@ class Scheduler:
         self.batch_drafts = batch_drafts
         self.running: list[Member] = []
         self.stats = SchedulerStats()
-        self._turns = threading.Condition()  # guards _callers and _thread; wakes the pass loop
-        self._callers = 0  # callers waiting for the lock: the pass loop lets them in first
+        self._turns = threading.Condition()  # guards _tasks and _thread; wakes the pass loop
+        self._tasks: deque[_Task] = deque()  # callers' joins and leaves, run before the next pass
         self._thread: threading.Thread | None = None
+        self._between_passes = False  # the engine holds the lock outside a pass (it runs tasks next)
         self._observers: list[Callable[[], AbstractContextManager]] = []
 
     @contextmanager
@@ -244,38 +261,49 @@ class Scheduler:
         finally:
             self._observers.remove(observer)
 
-    @contextmanager
-    def caller_turn(self, timeout: float | None) -> Iterator[bool]:
-        """The pair's lock for a caller (to join or leave), before the next pass; yields False when
-        ``timeout`` (seconds; None: no limit) ran out first."""
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """``fn()``, run in the engine's thread between passes, holding the pair's lock, while the
+        caller waits: how a call joins (its prompt checked, its prefix restored, its member added)
+        and leaves (its state saved). Its error is raised here; ``NotTaken`` where ``timeout``
+        (seconds; None: no limit) ran out before the engine took it. Starts the engine's thread
+        where none runs (a new one after one that died)."""
+        task = _Task(fn)
         with self._turns:
-            self._callers += 1
+            self._tasks.append(task)
             self.stats.waiting += 1
-        got = self.lock.acquire(timeout=-1 if timeout is None else timeout)
-        try:
-            yield got
-        finally:
-            if got:
-                self.lock.release()
-            with self._turns:
-                self._callers -= 1
-                self.stats.waiting -= 1
-                self._turns.notify_all()
-
-    def add(self, member: Member) -> None:
-        """Run ``member`` from the next pass on (the caller holds the lock: ``caller_turn``)."""
-        self.running.append(member)
-        self.stats.running = len(self.running)
-        with self._turns:
             if self._thread is None:
                 # not a daemon: at exit the interpreter waits for the passes under way (the thread ends
                 # once no call runs), instead of tearing down torch beneath them
                 self._thread = threading.Thread(target=self._loop, name="agentspec-passes")
                 self._thread.start()
             self._turns.notify_all()
+        if not task.done.wait(timeout):
+            with self._turns:
+                if not task.taken and not self._idle():
+                    self._tasks.remove(task)
+                    self.stats.waiting -= 1
+                    raise NotTaken(f"the engine did not take the call within {timeout:g} s")
+            task.done.wait()  # taken, or about to be: nothing else holds the engine
+        if task.error is not None:
+            raise task.error
+        return task.out
+
+    def _idle(self) -> bool:
+        """No pass runs and nothing but the engine holds the pair's lock: a task waiting is taken next."""
+        if self._between_passes:
+            return True
+        if not self.lock.acquire(blocking=False):
+            return False
+        self.lock.release()
+        return True
+
+    def add(self, member: Member) -> None:
+        """Run ``member`` from the next pass on (in a task of the engine's thread: ``call``)."""
+        self.running.append(member)
+        self.stats.running = len(self.running)
 
     def remove(self, member: Member) -> None:
-        """Stop running ``member`` (the caller holds the lock); a member no longer running is left alone."""
+        """Stop running ``member`` (in the engine's thread); a member no longer running is left alone."""
         if member in self.running:
             self.running.remove(member)
             self.stats.running = len(self.running)
@@ -286,23 +314,65 @@ class Scheduler:
             self._turns.notify_all()
 
     def _loop(self) -> None:
-        while True:
-            with self._turns:
-                while self._callers:  # joining and leaving go first: they are quick
-                    self._turns.wait()
-            with self.lock, ExitStack() as observed:
+        """The engine's thread: tasks (joins, leaves), then a pass, until no call runs and no task
+        waits. If it dies, every running call and every waiting task gets the error."""
+        try:
+            while self._step():
+                pass
+        except BaseException as exc:
+            log.exception("the engine's thread died")
+            self._die(exc)
+            raise
+
+    def _step(self) -> bool:
+        """The tasks waiting, then one pass of the members ready; False once nothing is left to run."""
+        with self.lock, ExitStack() as observed:
+            self._between_passes = True  # holding the lock: a task submitted now is taken next
+            try:
+                self._run_tasks()
                 if not self.running:
                     with self._turns:
-                        self._thread = None
-                    return
+                        if not self._tasks:
+                            self._thread = None
+                            return False
+                    return True
                 members = urgent([m for m in self.running if m.ready()])
-                for observer in tuple(self._observers):
-                    observed.enter_context(observer())
-                if members:
-                    self._guarded_pass(members)
-            if not members:  # every caller is behind: wait for one to take a Step
-                with self._turns:
+            finally:
+                self._between_passes = False
+            for observer in tuple(self._observers):
+                observed.enter_context(observer())
+            if members:
+                self._guarded_pass(members)
+        if not members:  # every caller is behind: wait for one to take a Step, or for a task
+            with self._turns:
+                if not self._tasks:
                     self._turns.wait(timeout=0.05)
+        return True
+
+    def _run_tasks(self) -> None:
+        with self._turns:
+            tasks, self._tasks = self._tasks, deque()
+            for task in tasks:
+                task.taken = True
+            self.stats.waiting -= len(tasks)
+        for task in tasks:
+            try:
+                task.out = task.fn()
+            except Exception as exc:  # the caller's: raised in its thread
+                task.error = exc
+            finally:
+                task.done.set()
+
+    def _die(self, exc: BaseException) -> None:
+        with self._turns:
+            self._thread = None
+            tasks, self._tasks = self._tasks, deque()
+            self.stats.waiting -= len(tasks)
+        for task in tasks:
+            task.error = exc
+            task.done.set()
+        for m in list(self.running):
+            self._fail(m, exc)
 
     def _guarded_pass(self, members: list[Member]) -> None:
         """A pass; a failure of the scheduler's own (not a member's) fails the members of the pass,

@@ -5,15 +5,15 @@ Linux wheels ship) gives every thread that starts a parallel region a pool of wo
 own, kept for as long as that thread lives. Once the pools' threads outnumber the CPUs, libgomp's
 idle workers no longer spin between parallel regions but sleep (its "throttled" spin, whatever
 ``OMP_WAIT_POLICY`` says), so every parallel op of a pass pays for waking them. agentspec's passes run
-in the scheduler's thread (drafting included), while the caller's thread loads the model, restores
-and saves prefixes: each keeps a pool, and a bfloat16 one-row pass on a 2-core CPU
-took 1.7x as long beside one idle pool as alone (docs/benchmarks.md, "Design probes").
+in the scheduler's thread (drafting, restores and saves included), while the loading thread loads
+the model: each keeps a pool, and one idle pool beside the pass thread's slows every pass
+(docs/benchmarks.md, "Design probes", has the measurement).
 
 ``omp_pause_resource_all`` (OpenMP 5.0) frees the calling thread's pool in libgomp (its workers
 exit); the thread's next parallel op builds a new one. The library calls ``release_pool`` wherever a
 thread other than the pass thread has computed and is about to wait: a caller once it joined the
-scheduler (after its restore) and after it saved, ``load_pair`` after loading. Never per token. With
-no pool it returns at once (a call into the runtime).
+scheduler (its own work before the call made a pool), ``load_pair`` after loading. Never per token.
+With no pool it returns at once (a call into the runtime).
 
 LLVM's and Intel's OpenMP runtimes (another build of PyTorch) neither throttle by pool count nor
 need this; there, and where no OpenMP runtime is loaded, ``release_pool`` does nothing.

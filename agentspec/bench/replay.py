@@ -3,7 +3,7 @@
 ``ReplayDrafter`` proposes the reference tokens (a plain greedy run's) with each position
 corrupted, independently with probability ``1 - acceptance`` (seeded), so every system measured
 with it sees the same acceptance whatever its weights are. It pays what a model drafter pays on
-the device: one forward of a real draft model per draft token, its KV state (``ModelState``, whose
+the device: one forward of a real draft model per draft token, its KV state (``packed.DraftState``, whose
 ids go to a GPU from pinned memory without blocking) kept in step with the verified sequence. It
 reads none of those logits back, so it costs no host sync: the cost of a draft kept on the device.
 """
@@ -14,7 +14,7 @@ import random
 
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
-from agentspec.kv import ModelState
+from agentspec.packed import DraftState
 from agentspec.steps import Steps, run_alone
 
 
@@ -40,7 +40,7 @@ class ReplayDrafter(Drafter):
     name = "replay"
 
     def __init__(self, draft, reference: list[int], acceptance: float, seed: int, k: int, width: int):
-        self.state = ModelState(draft)
+        self.state = DraftState(draft)
         self.reference = reference
         self.acceptance = acceptance
         self.wrong = corrupted_positions(len(reference), acceptance, seed)

@@ -11,7 +11,8 @@ from typing import Any
 
 def start_together(pair: Any, calls: list[Callable[[], Any]], timeout_s: float = 600.0) -> list[Any]:
     """Run ``calls`` (functions of no argument) in threads that all wait to join ``pair``'s scheduler
-    before its first pass (the pair's lock is held until each one waits); their results in order,
+    before its first pass (the pair's lock, which the engine takes to run joins, is held until each
+    one waits); their results in order,
     an exception a call raised as its result. Raises TimeoutError where a call outlives ``timeout_s``."""
     results: list[Any] = [None] * len(calls)
     waiting0 = pair.scheduler.stats.waiting

@@ -31,6 +31,7 @@ from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
 from agentspec.forward import Forward
 from agentspec.grammar import Constraint, apply_bitmask
 from agentspec.kv import ModelState, PassIds, common_prefix_len
+from agentspec.packed import DraftState
 from agentspec.sampling import probabilities
 from agentspec.static_kv import StaticState
 from agentspec.steps import Steps, run_alone
@@ -74,7 +75,7 @@ class ModelDrafter(Drafter):
         # draft model's passes call (``ModelPair.draft_forward``; None: transformers' own); ``head``:
         # what an EAGLE head's passes call (``ModelPair.draft_head``; None: its own modules)
         if state is None:
-            state = EagleState(model, head) if self.feature_layers else ModelState(forward or model)
+            state = EagleState(model, head) if self.feature_layers else DraftState(forward or model)
         self.state = state
         self.vocab_size = vocab_size  # the target's logits width
         self.schedule = schedule  # None: always draft k tokens

@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
         "agentspec.memory",
         "agentspec.threads",
         "agentspec.numerics",
+        "agentspec.steps",
     ),
     # the tool-call parser, a distribution of its own that the engine and the integration both import
     ("agentspec_toolcalls",),

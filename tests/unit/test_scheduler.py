@@ -640,7 +640,7 @@ def test_rows_copied_from_another_state_are_the_rows_computed(bpair, monkeypatch
 
 @pytest.mark.parametrize("drafter", ["model", "auto"])
 def test_eight_calls_run_on_their_callers_threads_and_the_pass_thread_only(bpair, hf_greedy, drafter):
-    """Eight calls drafting with the draft model at once: every function of the library runs on a
+    """Eight calls drafting at once: every function of the library runs on a
     caller's thread or on the one pass thread (drafting included: no pool of drafting threads), the
     draft model's steps of the calls packed, and every reply is its solo one."""
     prompts = shared_prompts(8)
@@ -671,4 +671,5 @@ def test_eight_calls_run_on_their_callers_threads_and_the_pass_thread_only(bpair
     others = {names[t] for t in ran - callers}
     assert others <= {"agentspec-passes"}, others
     steps = bpair.scheduler.stats.draft_steps - steps0
-    assert steps > bpair.scheduler.stats.draft_passes - passes0 > 0  # steps of several calls packed
+    if drafter == "model":  # "auto" may draft from its suffix trees alone
+        assert steps > bpair.scheduler.stats.draft_passes - passes0 > 0  # steps of several calls packed
