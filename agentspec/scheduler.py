@@ -319,10 +319,9 @@ class Scheduler:
         try:
             while self._step():
                 pass
-        except BaseException as exc:
+        except BaseException as exc:  # the callers get it: the thread ends here
             log.exception("the engine's thread died")
             self._die(exc)
-            raise
 
     def _step(self) -> bool:
         """The tasks waiting, then one pass of the members ready; False once nothing is left to run."""

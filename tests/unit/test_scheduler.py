@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -673,3 +674,23 @@ def test_eight_calls_run_on_their_callers_threads_and_the_pass_thread_only(bpair
     steps = bpair.scheduler.stats.draft_steps - steps0
     if drafter == "model":  # "auto" may draft from its suffix trees alone
         assert steps > bpair.scheduler.stats.draft_passes - passes0 > 0  # steps of several calls packed
+
+
+def test_an_engine_thread_that_dies_fails_its_calls_and_the_next_call_starts_a_new_one(bpair, hf_greedy):
+    """Whatever kills the engine's thread mid-loop reaches the call waiting on it (no caller waits
+    forever), its state left whole; the next call starts a new engine and gives the plain reply."""
+
+    class Died(BaseException):
+        pass
+
+    @contextmanager
+    def dying():
+        raise Died("the engine's thread died")
+        yield
+
+    prompt = shared_prompts(1)[0]
+    with bpair.scheduler.observing(dying), pytest.raises(Died):
+        agentspec.generate(bpair, prompt, "model", False, max_new_tokens=N_NEW)
+    r = agentspec.generate(bpair, prompt, "model", False, max_new_tokens=N_NEW)
+    assert_same(bpair.target, prompt, r.token_ids, hf_greedy(bpair.target, prompt, N_NEW))
+    assert bpair.scheduler.stats.waiting == 0 and bpair.scheduler.stats.running == 0
