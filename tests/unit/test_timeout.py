@@ -31,11 +31,12 @@ def fresh(target, draft, tokenizer) -> ModelPair:
 
 
 def _lock_is_free(lock: threading.RLock) -> bool:
-    """Whether another thread can take ``lock`` now (this thread could re-enter an RLock it leaked)."""
+    """Whether another thread can take ``lock`` (this thread could re-enter an RLock it leaked), within
+    the turn the engine's thread may still be finishing (it takes the lock to end)."""
     free = []
 
     def take() -> None:
-        got = lock.acquire(timeout=0)
+        got = lock.acquire(timeout=10)
         free.append(got)
         if got:
             lock.release()
