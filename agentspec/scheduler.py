@@ -267,6 +267,11 @@ class Scheduler:
         and leaves (its state saved). Its error is raised here; ``NotTaken`` where ``timeout``
         (seconds; None: no limit) ran out before the engine took it. Starts the engine's thread
         where none runs (a new one after one that died)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                "agentspec: a call on a pair from its own engine thread (a drafter or a callback of "
+                "a call calling the pair it runs on) would wait on itself; call it from another thread"
+            )
         task = _Task(fn)
         with self._turns:
             self._tasks.append(task)

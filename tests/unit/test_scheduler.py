@@ -694,3 +694,23 @@ def test_an_engine_thread_that_dies_fails_its_calls_and_the_next_call_starts_a_n
     r = agentspec.generate(bpair, prompt, "model", False, max_new_tokens=N_NEW)
     assert_same(bpair.target, prompt, r.token_ids, hf_greedy(bpair.target, prompt, N_NEW))
     assert bpair.scheduler.stats.waiting == 0 and bpair.scheduler.stats.running == 0
+
+
+class Reentrant(Drafter):
+    """A drafter that calls the pair it drafts for: from the engine's thread, which would wait on itself."""
+
+    name = "reentrant"
+
+    def __init__(self, pair: ModelPair):
+        self.pair = pair
+
+    def propose(self, seq, k, config, generator) -> Draft:
+        agentspec.generate(self.pair, seq, "none", max_new_tokens=1)
+        return Draft([])
+
+
+def test_a_call_from_the_engines_own_thread_is_refused_and_the_call_goes_on(bpair, hf_greedy, caplog):
+    prompt = shared_prompts(1)[0]
+    r = agentspec.generate(bpair, prompt, Reentrant(bpair), False, max_new_tokens=N_NEW)
+    assert_same(bpair.target, prompt, r.token_ids, hf_greedy(bpair.target, prompt, N_NEW))
+    assert r.stats.draft_failures == 1 and "would wait on itself" in caplog.text
