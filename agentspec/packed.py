@@ -214,7 +214,6 @@ class DraftRound:
     def _run_jobs(self, jobs: list[Job]) -> None:
         by_key: dict[Any, list[Job]] = {}
         for job in jobs:
-            job.out = job.error = None
             by_key.setdefault(job.key, []).append(job)
         for group in by_key.values():
             self.steps += len(group)

@@ -44,18 +44,15 @@ Steps = Generator[Job, Any, T]
 def run_alone(steps: Steps[T]) -> T:
     """What ``steps`` returns, each of its jobs run by itself, as a model's forward runs (in inference
     mode), its error raised in ``steps``."""
-    try:
-        job = next(steps)
-        while True:
-            try:
-                with torch.inference_mode():
-                    out = job.alone()
-            except Exception as exc:
-                job = steps.throw(exc)
-            else:
-                job = steps.send(out)
-    except StopIteration as stop:
-        return stop.value
+    got = advance(steps, None)
+    while isinstance(got, Job):
+        try:
+            with torch.inference_mode():
+                got.out = got.alone()
+        except Exception as exc:
+            got.error = exc
+        got = advance(steps, got)
+    return got
 
 
 def advance(steps: Steps[T], job: Job | None) -> Job | T:
