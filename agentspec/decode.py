@@ -1,94 +1,47 @@
-"""The decoding loop: prefill, draft, verify in one target pass, accept, roll back. One generator.
+"""A call on a pair: it joins the pair's engine as a ``Request``, reads its Steps, and leaves.
 
-A pass is planned (``_plan``: forced tokens, the draft, what the target is fed), run (a target
-forward), judged on the device (``_judge``), read, and landed (``_land``: accept, roll back, finish).
-``stream`` makes a call a member of the pair's scheduler (``agentspec.scheduler``), whose passes run
-the planned shares of every call on the pair in one forward (a call alone is a pass of one); it adds
-the drafter's health and the prefix cache (read in ``_restore`` when the call joins, written in
-``_save`` when it leaves). ``run`` wraps ``stream`` in a ``Run`` that ends in the call's
-``CallRecord``. Every entry point (``generate``, ``agentspec.chat.run`` for the LangChain chat model
-and the server, the benchmarks) consumes one of these.
-
-Cache invariant, asserted by ``ModelState``: after every step the target's cache holds exactly the
-verified sequence minus its last token, which is fed (with the next draft) on the next pass; the
-draft model's cache is synced to the same verified tokens before it proposes.
-
-A k-token draft costs one target pass over k+1 tokens: the pending token and the k draft tokens.
-Row i of that pass's logits scores draft token i; row k gives the bonus token.
+``stream`` hands the engine (``agentspec.scheduler``) the call's join: the prompt checked, the
+drafter readied (its health: ``pair.tenants``), the prefix cache read (``_restore``), the request
+made (``_begin``, ``agentspec.request``). The engine's passes run every request on the pair in one
+target forward (a call alone is a pass of one) and put each request's Steps in its outbox, which the
+caller reads. Leaving is the engine's task too: the drafter's health recorded and the verified
+state written to the prefix cache (``_save``). ``run`` wraps ``stream`` in a ``Run`` that ends in
+the call's ``CallRecord``. Every entry point (``generate``, ``agentspec.chat.run`` for the LangChain
+chat model and the server, the benchmarks) consumes one of these.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-import queue
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from agentspec import logprobs as lp
 from agentspec.config import GenerationConfig
 from agentspec.cost import baseline_seconds
-from agentspec.drafters import Draft, Drafter
+from agentspec.drafters import Drafter
 from agentspec.drafters.registry import build_drafter, check_name
-from agentspec.drafters.schedule import survival
 from agentspec.drafters.tenants import TenantStore
-from agentspec.grammar import Constraint, Grammar, apply_bitmask
-from agentspec.kv import ModelState, PassIds, to_device
-from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom, release_cached_memory
+from agentspec.grammar import Constraint, Grammar
+from agentspec.kv import ModelState
+from agentspec.memory import cache_oom_frees_cache, forward_retrying, is_oom
 from agentspec.models import ModelPair
-from agentspec.packed import Read, Verdict
-from agentspec.sampling import keyed_scores, make_generator, probabilities
-from agentspec.scheduler import LOOKAHEAD, Member, NotTaken
+from agentspec.request import DecodeTimeout, Request, Step, steps
+from agentspec.sampling import make_generator
+from agentspec.scheduler import NotTaken
 from agentspec.stats import DecodeStats
-from agentspec.steps import Steps
 from agentspec.text import TextTracker
 from agentspec.threads import release_pool
-from agentspec.verify import greedy_accept, speculative_accept
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_CAP = 4  # draft tokens per pass when neither the call nor the drafter sets a cap
-
-
-class DecodeTimeout(TimeoutError):
-    """A call ran past its ``GenerationConfig.timeout``: waiting for the pair (another call held its
-    lock), or decoding (checked between passes). The pair, its lock and its prefix cache are ready
-    for the next call; a call timed out while decoding saved its verified part, as a closed stream."""
-
-
-@dataclass
-class Step:
-    """What one target pass added to the output."""
-
-    tokens: list[int]  # verified tokens this pass adds to the output (after EOS/stop/length trims)
-    text: str  # text newly safe to show (may be "" while a stop string or character is pending)
-    drafted: int  # draft tokens verified in this pass
-    accepted: int  # of those, accepted
-    prefill: int  # prompt tokens the target computed in this pass (first pass only)
-    seconds: float  # wall time of this pass, drafting included (``time.perf_counter`` from ``started``)
-    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length", on the last step
-    # the call's stats as this pass left them (a snapshot: the loop runs ahead of the caller); what the
-    # call's leaving adds (``cache_creation_tokens``) is in its ``CallRecord.stats``
-    stats: DecodeStats = field(default_factory=DecodeStats, repr=False)
-    forced: int = 0  # of ``tokens``, those a grammar forced (appended without a model guess)
-    target_pass: bool = True  # a target forward ran (False: the grammar alone added these tokens)
-    fed: int = 0  # tokens the target's pass was fed (uncached prompt or pending tokens, forced, drafts)
-    cached: int = 0  # tokens in the target's KV cache before the pass (restored or verified earlier)
-    restored: int = 0  # prompt tokens restored from the prefix cache or copied from a call (first step)
-    started: float = 0.0  # ``time.perf_counter()`` when the pass began
-    # each of ``tokens``' log-probability under the target, when the call asked (``config.logprobs``)
-    logprobs: list[lp.TokenLogprob] | None = None
-    source: str | None = None  # where the verified draft came from (``Draft.source``; None: no draft)
-    # each verified draft token's estimated acceptance given those before it, as the drafter gave it
-    # (``Draft.survival``: host floats, or a head's tensor, not read back: on a GPU it stays on the
-    # device until a reader wants it, e.g. a calibration measurement); None where the draft had none
-    acceptance: list[float] | torch.Tensor | None = None
 
 
 @dataclass
@@ -157,139 +110,22 @@ def check_prompt(pair: ModelPair, prompt_ids: Any) -> list[int]:
     return ids
 
 
-def check_draft(draft: Draft, k: int, vocab: int) -> Draft:
-    """Validate a drafter's proposal; a ValueError here counts as a drafter failure.
-
-    What needs no read of device values: host ids, a tensor's form, q's shape. Device ids and q's
-    values are guarded in ``_guard``, on the device, and reported with the verification's read.
-    """
-    if isinstance(draft.tokens, torch.Tensor):
-        tokens = draft.tokens[:k]
-        if tokens.dim() != 1 or tokens.dtype != torch.long:
-            shape = list(tokens.shape)
-            raise ValueError(f"draft tokens: expected a [k] long tensor, got {tokens.dtype} {shape}")
-    else:
-        tokens = [int(t) for t in draft.tokens[:k]]
-        _check_ids(tokens, vocab)
-    q = draft.q
-    if q is not None:
-        q = q[: len(tokens)]
-        if tuple(q.shape) != (len(tokens), vocab):
-            raise ValueError(f"draft q has shape {tuple(q.shape)}, expected {(len(tokens), vocab)}")
-    est = draft.survival  # estimates that do not cover the draft are not used
-    est = est[: len(tokens)] if est is not None and len(est) >= len(tokens) else None
-    return Draft(tokens, q, draft.source, est)
-
-
-def _check_ids(tokens: list[int], vocab: int) -> None:
-    bad = [t for t in tokens if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"draft token ids outside [0, {vocab}): {bad[:5]}")
-
-
-def _drop(drafter: Drafter, exc: Exception, stats: DecodeStats) -> None:
-    """Log a drafter failure and drop the drafter for the rest of the call."""
-    log.warning("drafter %s failed (%r); continuing with the target alone", drafter.name, exc)
-    stats.draft_failures += 1
-    if is_oom(exc):
-        release_cached_memory()
-    try:
-        drafter.reset()
-    except Exception:  # a drafter that cannot even reset is simply not used again
-        log.exception("drafter %s failed to reset", drafter.name)
-    return None
-
-
-def _finish(
-    new: list[int], n_out: int, budget: int, eos: set[int], text: TextTracker, out: list[int]
-) -> tuple[list[int], str | None, int | None]:
-    """Trim a pass's tokens at EOS, the token budget and stop strings: (kept, reason, text cut)."""
-    reason = None
-    for i, tok in enumerate(new):
-        if tok in eos:
-            new, reason = new[: i + 1], "stop"
-            break
-    room = budget - n_out
-    if len(new) > room:
-        new, reason = new[:room], "length"
-    elif len(new) == room and reason is None:
-        reason = "length"
-    hit = text.first_stop(out, new)
-    if hit is not None:
-        return new[: hit[0]], "stop", hit[1]
-    return new, reason, None
-
-
-JUMP_FORWARD_LIMIT = 16  # the most grammar-forced tokens proposed in one verify pass
-
-
-def _fit_to_grammar(constraint: Constraint, tokens: list[int], start: int, sampled: bool) -> int:
-    """Push ``tokens[start:]`` onto the constraint's path; return how many draft tokens to verify.
-
-    A drafter that masks its own draft has pushed its tokens already. At the first token the
-    grammar forbids, a deterministic draft is cut before it (a shorter deterministic draft is just
-    another draft); a sampled draft keeps it, since cutting a sampled draft where the sample landed
-    would skew the output distribution: verification rejects that token (its masked target
-    probability is 0) and resamples from the residual, as for any rejection.
-    """
-    if constraint.path != tokens[: len(constraint.path)]:  # a drafter pushed something else: redo
-        constraint.rewind(start)
-    for i in range(len(constraint.path), len(tokens)):
-        if not constraint.push(tokens[i]):
-            return i + 1 if sampled else i
-    return len(tokens)
-
-
-@dataclass
-class _Call:
-    """One call's decoding state, read and advanced by each pass (``_Member``)."""
-
-    pair: ModelPair
-    config: GenerationConfig
-    target: ModelState  # covers the verified sequence minus the tokens still to feed
-    drafter: Drafter | None  # None: no drafter, or it failed and was dropped for the rest of the call
-    constraint: Constraint | None
-    free_memory: Callable[[], None] | None  # frees memory before a target pass is retried
-    seq: list[int]  # the verified sequence: prompt + output so far
-    stats: DecodeStats
-    eos: set[int]
-    text: TextTracker
-    gen: torch.Generator | None  # None: greedy
-    draft_cap: int  # the most drafter tokens per pass
-    budget: int  # the most output tokens (max_new_tokens, within the context window)
-    start: float  # ``time.perf_counter()`` when the call began
-    deadline: float | None  # ``time.perf_counter()`` past which no further pass starts (None: no limit)
-    out: list[int] = field(default_factory=list)  # the output so far
-    passes: int = 0  # steps yielded so far
-    draft_oom: bool = False  # the drafter was dropped out of memory: a failure of the pair's, not the call's
-    key: int | None = None  # a reproducible sampled call's seed: its draws are keyed by it and the position
-    draft_config: GenerationConfig | None = None  # what the drafter is told (greedy for a keyed call)
-
-    @property
-    def vocab(self) -> int:
-        return self.pair.target.config.vocab_size
-
-    @property
-    def jump(self) -> bool:
-        return self.constraint is not None and self.config.jump_forward
-
-    def drop(self, exc: Exception) -> None:
-        self.draft_oom = is_oom(exc)
-        self.drafter = _drop(self.drafter, exc, self.stats)
-
-
-def _deadline(config: GenerationConfig, start: float) -> float | None:
-    """The ``time.perf_counter()`` at which a call that started at ``start`` times out (None: no limit)."""
-    return None if config.timeout is None else start + config.timeout
-
-
 def _begin(
-    pair, ids: list[int], config, drafter, target, grammar, free_memory, start: float, deadline
-) -> _Call:
-    """A call's state after ``ids`` (checked prompt ids); ``target`` is synced to what it covers of them.
-    ``start``: when the call began (its wait for the pair and its cache restore included), the one
-    origin of its times (``DecodeStats.time_to_first_token_s``, ``total_time_s``) and of its deadline."""
-    target = target if target is not None else ModelState(pair.target_forward)
+    pair: ModelPair,
+    ids: list[int],
+    config: GenerationConfig,
+    drafter: Drafter | None,
+    target: ModelState,
+    grammar: Grammar | Constraint | None,
+    free_memory: Callable[[], None] | None,
+    start: float,
+    namespace: str | None,
+    cancelled: threading.Event | None,
+) -> Request:
+    """A call's request after ``ids`` (checked prompt ids); ``target`` is synced to what it covers of
+    them. ``start``: when the call began (its wait for the pair and its cache restore included), the
+    one origin of its times (``DecodeStats.time_to_first_token_s``, ``total_time_s``) and of its
+    deadline."""
     if isinstance(grammar, Constraint) or grammar is None:
         constraint = grammar
     else:
@@ -307,8 +143,7 @@ def _begin(
     key = None
     if config.reproducible and not config.greedy:
         key = config.seed if config.seed is not None else random.getrandbits(63)
-    return _Call(
-        pair,
+    return Request(
         config,
         target,
         drafter,
@@ -322,317 +157,15 @@ def _begin(
         draft_cap=cap,
         budget=min(config.max_new_tokens, context_room(pair, len(ids))),
         start=start,
-        deadline=deadline,
+        deadline=None if config.timeout is None else start + config.timeout,
+        vocab=pair.target.config.vocab_size,
+        device=pair.device,
+        invariant_rows=pair.invariant_rows,
+        namespace=namespace,
+        cancelled=cancelled,
         key=key,
         # a keyed call's output does not depend on its drafts: the likeliest ones serve it best
         draft_config=config if key is None else replace(config, temperature=0.0),
-    )
-
-
-def _propose(call: _Call, seq: list[int], k: int) -> Steps[Draft]:
-    """The drafter's checked proposal after ``seq``; a failure drops the drafter (an empty draft)."""
-    d = call.drafter
-    c = call.constraint if d.masks_own_draft else None
-    try:
-        draft = yield from d.propose_steps(seq, k, call.draft_config, call.gen, constraint=c)
-        return check_draft(draft, k, call.vocab)
-    except Exception as exc:  # the target alone gives the same output: carry on without
-        call.drop(exc)
-        return Draft([])
-
-
-def _draft(call: _Call, forced: list[int], k: int, finished: bool, cap: int | None = None) -> Steps[tuple]:
-    """The pass's draft after ``forced``: the text the grammar forces, then the drafter's guess, fit
-    to the grammar. Returns (tokens: host ids, or a [k] tensor still on the device; q [len(tokens),
-    V] or None; jump-forward tokens leading; source; each token's estimated acceptance given those
-    before it, or None: none, or a grammar shaped the draft)."""
-    c = call.constraint
-    tokens = c.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if call.jump else []
-    n_jump = len(tokens)
-    k_draft = min(call.draft_cap if cap is None else min(cap, call.draft_cap), k - n_jump)
-    q, source, acceptance = None, None, None
-    if call.drafter is not None and k_draft > 0 and not finished:
-        seq = call.seq + forced + tokens if forced or tokens else call.seq  # no copy per pass if none
-        draft = yield from _propose(call, seq, k_draft)
-        source = draft.source
-        acceptance = draft.survival if c is None else None
-        drafted = draft.tokens
-        if c is not None and isinstance(drafted, torch.Tensor):  # the grammar fits a draft on the host
-            drafted = drafted.tolist()
-        if draft.q is not None:  # jump-forward tokens are certain proposals: one-hot q
-            jumped = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), call.vocab)
-            q = torch.cat([jumped.to(draft.q), draft.q]) if tokens else draft.q
-        tokens = drafted if not tokens else tokens + drafted  # no jump-forward without a grammar
-    if c is not None:
-        tokens = tokens[: _fit_to_grammar(c, tokens, n_jump, q is not None)]
-    if len(tokens) == n_jump:  # no drafter guess survived: only grammar-forced tokens, or nothing
-        source = "jump_forward" if n_jump else None
-    return tokens, q, n_jump, source, acceptance
-
-
-def _guard(d: torch.Tensor, q: torch.Tensor | None, vocab: int, on_device: bool):
-    """The draft made safe to verify without reading it: (d, q, a [] flag set when it was not).
-
-    Device ids outside the vocabulary are clamped into it (fed to an embedding they would fault
-    the device). Rows of q that are not distributions (non-finite or negative entries) become
-    one-hot at their token, which speculative verification treats exactly as a model-free draft:
-    lossless whatever the token was drawn from. The flag, read with the verification's result,
-    makes the draft a drafter failure; a valid draft is left exactly as it was.
-    """
-    flags = []
-    if on_device:
-        flags.append(((d < 0) | (d >= vocab)).any())
-        d = d.clamp(0, vocab - 1)
-    if q is not None:
-        ok = (torch.isfinite(q) & (q >= 0)).all(dim=-1)  # [k]
-        flags.append(~ok.all())
-        q = torch.where(ok[:, None], q, 0.0)  # [k, V]: one new tensor per pass, a bad row zeroed
-        at = d.to(q.device)[:, None]
-        q.scatter_(1, at, torch.where(ok[:, None], q.gather(1, at), 1.0))  # ... and one-hot at its token
-    return d, q, torch.stack(flags).any() if flags else None
-
-
-@dataclass
-class _Pass:
-    """One call's share of a target pass: planned before the pass runs (``_plan``), landed after it
-    (``_land``). A scheduler packs the ``feed`` of several calls into one forward."""
-
-    started: float  # ``time.perf_counter()`` when the call's pass began (its drafting included)
-    at: int  # position of the pass's first token
-    pending: list[int]  # verified tokens the target has not seen: the last one at least
-    forced: list[int]  # tokens the grammar forces (certain: no model guess needed)
-    tokens: Any  # the draft: host ids, or a [k] tensor still on the device
-    n_jump: int  # of ``tokens``, the grammar's jump-forward tokens leading
-    source: str | None  # the drafter's source of the draft (None: no draft)
-    verified: bool  # a target forward runs (False: the grammar alone finishes the call)
-    feed: PassIds | None = None  # what the target is fed: pending and forced on the host, the draft
-    q: torch.Tensor | None = None  # the draft's distributions, guarded (sampled calls only)
-    bad: torch.Tensor | None = None  # a [] flag: the draft was not valid (``_guard``)
-    tap: tuple[int, ...] = ()  # the target's features its drafter reads (an EAGLE head's layers)
-    chunk: bool = False  # a chunk of the prompt only, fed beside other calls' rows: no logits, no Step
-    scored: bool = False  # the call asked for log-probabilities: the forced tokens' rows are kept too
-    # each draft token's estimated acceptance given those before it (host floats, or a [k] tensor),
-    # where a scheduler may verify a prefix of the draft only (a greedy or seeded call's, drafted
-    # without a grammar); None: the draft is verified whole
-    acceptance: list[float] | torch.Tensor | None = None
-
-    @property
-    def keep(self) -> int:
-        """The logits rows the call reads: one per draft token, and the bonus row (none for a
-        chunk); scored, the forced tokens' rows before them (a pass the grammar alone finishes
-        keeps only those)."""
-        if self.chunk:
-            return 0
-        forced = len(self.forced) if self.scored else 0
-        return forced + (len(self.tokens) + 1 if self.verified else 0)
-
-    @property
-    def survival(self) -> list[float] | None:
-        """S_1 >= S_2 >= ...: the chance that the draft's first i tokens all survive (read only by a
-        scheduler sharing the pass: on a GPU, a head's estimates reach the host here)."""
-        a = self.acceptance
-        return None if a is None else survival(a.tolist() if isinstance(a, torch.Tensor) else a)
-
-    def trim(self, n: int) -> None:
-        """Verify only the draft's first ``n`` tokens (a shorter deterministic draft is just another
-        draft: the output is the same)."""
-        self.tokens = self.tokens[:n]
-        self.acceptance = self.acceptance[:n]
-        self.feed = PassIds(self.feed.host, self.feed.device[:n])
-
-
-def _chunk(call: _Call, size: int) -> _Pass | None:
-    """The next ``size`` tokens of the prompt's uncached part, when more than ``size`` are left
-    before its last token (fed with the first full pass); else None."""
-    at = len(call.target.ids)
-    if len(call.seq) - 1 - at <= size:
-        return None
-    feed = PassIds(call.seq[at : at + size])
-    return _Pass(time.perf_counter(), at, [], [], [], 0, None, False, feed=feed, chunk=True)
-
-
-def _plan(call: _Call, cap: int | None = None) -> Steps[_Pass]:
-    """Draft (at most ``cap`` drafter tokens, None: the call's own cap), and what the target is to
-    be fed: a call's share of its next pass. ``cap`` binds greedy calls only: a sampled call's draws
-    depend on its draft lengths, and a seeded one draws the same whatever runs beside it."""
-    t0 = time.perf_counter()
-    seq, target, c = call.seq, call.target, call.constraint
-    at = len(target.ids)
-    pending = seq[at:]
-    room = call.budget - len(call.out)  # tokens this pass may add (the budget is within the context)
-    forced = c.take_forced(room) if call.jump else []
-    # read before any draft is pushed: a drafter may draft up to the grammar's stop token on the path
-    finished = c is not None and c.terminated
-    # never draft past the token budget or the context window
-    cap = cap if call.config.greedy or call.key is not None else None
-    cap = _invariant_cap(call, len(pending) + len(forced), cap)
-    tokens, q, n_jump, source, acceptance = yield from _draft(
-        call, forced, room - len(forced) - 1, finished, cap
-    )
-    verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
-    scored = call.config.logprobs is not None
-    p = _Pass(t0, at, pending, forced, tokens, n_jump, source, verified, scored=scored)
-    if not verified and p.scored:  # the forced tokens' rows come from a pass that feeds them
-        p.feed = PassIds(pending + forced[:-1])
-    if verified:
-        on_device = isinstance(tokens, torch.Tensor)
-        d = tokens if on_device else to_device(tokens, call.pair.device)  # [k]
-        sampled = not call.config.greedy and call.key is None  # verified by rejection sampling
-        q = q[: len(tokens)] if q is not None and sampled else None
-        d, p.q, p.bad = _guard(d, q, call.vocab, on_device)
-        p.feed = PassIds(pending + forced, d)
-        p.tap = call.drafter.feature_layers if call.drafter is not None else ()
-        if acceptance is not None and len(tokens) and not sampled:
-            p.acceptance = acceptance
-    return p
-
-
-def _invariant_cap(call: _Call, fed: int, cap: int | None) -> int | None:
-    """``cap``, lowered so that a pass feeding ``fed`` tokens before its draft keeps every row as a
-    one-row step computes it, where the pair's passes are row-invariant only up to some rows
-    (``attention.invariant_rows``: bfloat16 on a CPU). Past that, a pass's rows depend on its row
-    count, so drafts riding a prompt's pass would change the prompt's cache from plain decoding's:
-    the prompt goes alone (as plain decoding feeds it) and drafting starts at the next pass."""
-    limit = call.pair.invariant_rows if fed > 1 else None
-    if limit is None:
-        return cap
-    room = max(0, limit - fed - 1) if fed < limit else 0
-    return room if cap is None else min(cap, room)
-
-
-def _judge(call: _Call, p: _Pass, out) -> tuple[Verdict, torch.Tensor | None]:
-    """Accept the draft against the pass's logits ``out`` ([keep, V], with the hidden rows when
-    tapped), on the device: what the host is to read (``_accept`` takes it), and the hidden rows."""
-    try:
-        logits, hidden = out if p.tap else (out, None)  # [keep, V]; [pass tokens, H]
-        if not p.verified:  # it scores the tokens the grammar forced, which finish the call
-            forced = to_device(p.forced, logits.device)
-            scores = lp.scores(lp.log_softmax(logits), forced, call.config.logprobs)
-            return Verdict(forced[:0], scores), None
-        return _verdict(call, p, logits), hidden
-    except BaseException:
-        call.target.truncate(p.at)  # the pass's positions are not verified: the state stays whole
-        raise
-
-
-def _verdict(call: _Call, p: _Pass, logits: torch.Tensor) -> Verdict:
-    """``_judge`` for a verified pass: [n, token, (the draft was bad), (the draft's ids)], and the
-    emitted tokens' scores where asked for."""
-    c, config = call.constraint, call.config
-    k, d, on_device = len(p.tokens), p.feed.device, isinstance(p.tokens, torch.Tensor)
-    raw = lp.log_softmax(logits) if p.scored else None  # before any mask: the raw log-probabilities
-    logits = logits[len(p.forced) :] if p.scored else logits  # [k+1, V]
-    if c is not None:
-        logits = apply_bitmask(logits, c.bitmasks(k + 1))
-    if config.greedy:
-        result = greedy_accept(d, logits)  # [2]
-    else:
-        probs = probabilities(logits, config.temperature, config.top_k, config.top_p)
-        if call.key is not None:  # each row's draw is keyed by its output position: verified as greedy
-            result = greedy_accept(d, keyed_scores(probs, call.key, len(call.out) + len(p.forced)))
-        else:
-            result = speculative_accept(d, probs, p.q, call.gen)
-    parts = [result]
-    if p.bad is not None:
-        parts.append(p.bad.long().reshape(1).to(result.device))
-    if on_device:
-        parts.append(d.to(result.device))
-    scores = None
-    if raw is not None:
-        tokens = lp.emitted(to_device(p.forced, raw.device), d, result)
-        scores = lp.scores(raw, tokens, config.logprobs)
-    return Verdict(torch.cat(parts), scores)
-
-
-def _accept(
-    call: _Call, p: _Pass, read: list[int], hidden: torch.Tensor | None
-) -> tuple[int, int, list[int]]:
-    """Take the verdict's values as read (``Verdict.values``): returns (draft tokens accepted, the
-    token drawn after them, the accepted draft tokens); the target is rolled back to the verified
-    tokens, and the constraint commits them."""
-    target, c = call.target, call.constraint
-    n, token = read[0], read[1]
-    flagged = p.bad is not None and bool(read[2])
-    accepted = read[2 + (p.bad is not None) :][:n] if isinstance(p.tokens, torch.Tensor) else p.tokens[:n]
-    assert 0 <= token < call.vocab, f"{token=} {call.vocab=}"
-    target.settle(accepted)  # roll back the rejected draft tokens
-    if hidden is not None:  # the verified positions' features
-        try:
-            call.drafter.observe_features(p.at, hidden[: len(target.ids) - p.at])
-        except Exception as exc:
-            call.drop(exc)
-    if flagged and call.drafter is not None:  # verified as a model-free draft: the output stands
-        call.drop(ValueError("draft ids outside the vocabulary, or a q with negative or non-finite values"))
-    if c is not None:
-        c.commit(n)
-        if not c.terminated and not c.push(token):
-            raise RuntimeError(f"the grammar rejected token {token} drawn under its own mask")
-        c.commit(len(c.path))
-    return n, token, accepted
-
-
-def _land(call: _Call, p: _Pass, read: Read | None, hidden: torch.Tensor | None = None) -> Step:
-    """Accept, roll back, finish: what the pass (``read``: its verdict as read; None when no
-    forward ran, the grammar alone) adds to the call's output."""
-    seq, target, c, stats = call.seq, call.target, call.constraint, call.stats
-    tokens, forced = p.tokens, p.forced
-    n, new = 0, list(forced)
-    if p.verified:
-        n, token, accepted = _accept(call, p, read.values, hidden)
-        stats.observe_step(len(tokens), n, p.source)
-        stats.jump_forward_tokens += p.n_jump
-        stats.jump_forward_accepted += min(n, p.n_jump)
-        new += accepted + [token]
-    new, reason, cut = _finish(new, len(call.out), call.budget, call.eos, call.text, call.out)
-    if reason is None and c is not None and c.terminated:
-        reason = "stop"  # the grammar is complete (it accepted a stop token)
-    stats.forced_tokens += min(len(forced), len(new))
-    call.out += new
-    seq += new
-    if call.drafter is not None and p.verified:
-        try:
-            call.drafter.feedback(seq, n, len(tokens))
-        except Exception as exc:
-            call.drop(exc)
-    now = time.perf_counter()
-    if len(call.out) == len(new):
-        stats.time_to_first_token_s = now - call.start
-    stats.output_tokens = len(call.out)
-    if reason is not None:
-        target.truncate(min(len(target.ids), len(seq) - 1))
-        stats.finish_reason = reason
-        stats.total_time_s = now - call.start
-    call.passes += 1
-    scores = read.scores if read is not None else None
-    return Step(
-        new,
-        call.text.release(call.out, final=reason is not None, cut=cut),
-        len(tokens),
-        n,
-        len(p.pending) - 1 if p.feed is not None else 0,
-        now - p.started,
-        reason,
-        stats.snapshot(),
-        forced=min(len(forced), len(new)),
-        target_pass=p.feed is not None,
-        fed=len(p.feed) if p.feed is not None else 0,
-        cached=p.at,
-        restored=stats.cached_tokens if call.passes == 1 else 0,
-        started=p.started,
-        logprobs=lp.entries(new, scores, call.config.logprobs) if scores is not None else None,
-        source=(p.source or stats.drafter) if p.verified and len(tokens) else None,
-        acceptance=p.acceptance,
-    )
-
-
-def _late(call: _Call) -> DecodeTimeout | None:
-    """The timeout of a call whose deadline has passed (None: it has time left, or no deadline)."""
-    if call.deadline is None or time.perf_counter() <= call.deadline:
-        return None
-    n = len(call.out)
-    return DecodeTimeout(
-        f"agentspec: timed out decoding after {call.config.timeout:g} s, the wait for the model "
-        f"included ({n} output {'token' if n == 1 else 'tokens'} verified by then)"
     )
 
 
@@ -705,119 +238,6 @@ def _save(
     return written
 
 
-_CANCELLED = object()  # the end of a cancelled call's Steps (``_Member.ready``)
-
-
-class _Member:
-    """One call as a member of its pair's scheduler (``agentspec.scheduler.Member``): its state, and
-    the Steps on their way from the scheduler's thread to the caller's (``steps``)."""
-
-    def __init__(
-        self, pair: ModelPair, call: _Call, cancelled: threading.Event | None, namespace: str | None
-    ):
-        self.pair, self.call, self.cancelled, self.namespace = pair, call, cancelled, namespace
-        self.target = call.target
-        self.free_memory = call.free_memory
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # Steps, then a last Step or an error
-        self.delivered = 0  # items put in the outbox
-        self.taken = 0  # items the caller took
-        self.closed = False  # the caller left: it takes no further pass
-        self._at = len(call.target.ids)  # the target's length before the pass under way
-        self._hidden: torch.Tensor | None = None  # the pass's hidden rows, from ``judge`` to ``land``
-
-    def ready(self) -> bool:
-        """It takes part in the next pass. A cancelled call takes none: the first time it is asked
-        after the cancel, its Steps end (``_CANCELLED``), waking a caller waiting for the next."""
-        if self.cancelled is not None and self.cancelled.is_set():
-            if not self.closed:
-                self.closed = True
-                self._put(_CANCELLED)
-            return False
-        return not self.closed and self.delivered - self.taken < LOOKAHEAD
-
-    def wanted(self) -> list[int]:
-        if not self.prefilling:
-            return []
-        # a head recomputes its last context rows for their features, as after a restore (``_restore``)
-        d = self.call.drafter
-        return self.call.seq[: len(self.call.seq) - 1 - (d.context_rows if d is not None else 0)]
-
-    def take_rows(self, donor: Member, end: int) -> int:
-        taken = self.target.take_rows(donor.target, end)
-        stats = self.call.stats
-        stats.cached_tokens += taken
-        stats.prefill_tokens -= taken
-        stats.shared_prefix_tokens += taken
-        return taken
-
-    def share(self, chunk: int | None, cap: int | None) -> Steps[_Pass]:
-        self._at = len(self.call.target.ids)  # where a pass that fails before its landing rolls back to
-        p = _chunk(self.call, chunk) if chunk is not None else None
-        return p if p is not None else (yield from _plan(self.call, cap))
-
-    def trim(self, p: _Pass, n: int) -> None:
-        p.trim(n)
-        try:
-            self.call.drafter.trimmed(n)
-        except Exception as exc:
-            self.call.drop(exc)
-
-    @property
-    def cached(self) -> int:
-        return len(self.call.target.ids)
-
-    @property
-    def priority(self) -> int:
-        return self.call.config.priority
-
-    @property
-    def prefilling(self) -> bool:
-        return len(self.call.target.ids) < len(self.call.seq) - 1
-
-    def judge(self, p: _Pass, out: Any) -> Verdict | None:
-        if p.chunk or p.feed is None:  # a chunk of the prompt, or the grammar alone: nothing to read
-            return None
-        verdict, self._hidden = _judge(self.call, p, out)
-        return verdict
-
-    def land(self, p: _Pass, read: Read | None, alone: bool) -> bool:
-        if p.chunk:
-            return False
-        hidden, self._hidden = self._hidden, None
-        step = _land(self.call, p, read, hidden)
-        if alone and step.target_pass:  # a pass of its own teaches the cost model, as a solo call's
-            self.pair.cost.observe(step.fed, step.cached, step.seconds)
-        self._put(step)
-        if step.finish_reason is not None:
-            return True
-        late = _late(self.call)
-        if late is not None:
-            self._put(late)
-        return late is not None
-
-    def fail(self, exc: BaseException) -> None:
-        self.call.target.truncate(self._at)  # the verified state, whatever the failed pass fed
-        self._put(exc)
-
-    def _put(self, item: Step | BaseException) -> None:
-        self.delivered += 1
-        self.outbox.put(item)
-
-    def steps(self) -> Iterator[Step]:
-        """The call's Steps as the scheduler lands them; an error it met is raised here."""
-        while True:
-            item = self.outbox.get()
-            self.taken += 1
-            self.pair.scheduler.wake()
-            if isinstance(item, BaseException):
-                raise item
-            if item is _CANCELLED:
-                return
-            yield item
-            if item.finish_reason is not None:
-                return
-
-
 def stream(
     pair: ModelPair,
     prompt_ids: Any,
@@ -882,10 +302,9 @@ def _calls(
     # the drafter's name in pair.tenants' health records (built from a name: not the caller's own)
     key = check_name(drafter) if drafter is None or isinstance(drafter, str) else None
     start = time.perf_counter()  # the call's times and its deadline count from here, the wait included
-    deadline = _deadline(config, start)
     scheduler = pair.scheduler
 
-    def join() -> tuple[_Member, Drafter | None]:  # in the engine's thread, between passes
+    def join() -> tuple[Request, Drafter | None]:  # in the engine's thread, between passes
         ids = check_prompt(pair, prompt_ids)
         ready, resting = _ready(pair.tenants, namespace, d, key)
         target = (
@@ -894,36 +313,35 @@ def _calls(
             else ModelState(pair.target_forward)
         )
         free = cache.clear if cache is not None else None
-        call = _begin(pair, ids, config, ready, target, grammar, free, start, deadline)
-        call.stats.draft_cooldown = resting
-        member = _Member(pair, call, cancelled, namespace)
-        scheduler.add(member)
-        return member, ready
+        req = _begin(pair, ids, config, ready, target, grammar, free, start, namespace, cancelled)
+        req.stats.draft_cooldown = resting
+        scheduler.add(req)
+        return req, ready
 
     try:
-        member, d = scheduler.call(join, config.timeout)
+        req, d = scheduler.call(join, config.timeout)
     except NotTaken:
         raise DecodeTimeout(
             f"agentspec: timed out after {config.timeout:g} s waiting for the model: another call holds it"
         ) from None
-    call, ended = member.call, False  # ended: finished, or closed by the caller (not failed)
+    ended = False  # finished, or closed by the caller (not failed)
     release_pool()  # a pool this thread's own work made: from here it only waits (agentspec.threads)
 
     def leave() -> None:  # in the engine's thread, between passes
-        scheduler.remove(member)
-        _leave(pair, cache, call, d, key, namespace, ended)
+        scheduler.remove(req)
+        _leave(pair, cache, req, d, key, namespace, ended)
 
     try:
-        yield from member.steps()
+        yield from steps(req, scheduler.wake)
         ended = True
     except (GeneratorExit, DecodeTimeout):  # the state is whole between passes: saved as verified
         ended = True
         raise
     finally:
-        member.closed = True
+        req.closed = True
         scheduler.call(leave)
         if left is not None:
-            left.append(call.stats)
+            left.append(req.stats)
 
 
 def prefill(
@@ -960,17 +378,17 @@ def prefill(
 
 
 def _leave(
-    pair: ModelPair, cache, call: _Call, d, key: str | None, namespace: str | None, ended: bool
+    pair: ModelPair, cache, req: Request, d, key: str | None, namespace: str | None, ended: bool
 ) -> None:
     """A call's end, in the engine's thread between passes: its drafter's (``d``, dropped by the call or not)
     health, and its verified state saved."""
-    stats = call.stats
-    if key is not None and call.passes and stats.drafter is not None:
-        pair.tenants.record(namespace, key, stats.draft_failures > 0, call.draft_oom)
+    stats = req.stats
+    if key is not None and req.passes and stats.drafter is not None:
+        pair.tenants.record(namespace, key, stats.draft_failures > 0, req.draft_oom)
     if cache is not None:
-        target = call.target
+        target = req.target
         written = _save(pair, cache, target, d, ended, namespace)
-        if call.passes:  # the new positions are the last ones: count those in the prompt
+        if req.passes:  # the new positions are the last ones: count those in the prompt
             held = len(target.ids) - written
             stats.cache_creation_tokens = max(0, min(stats.prompt_tokens, len(target.ids)) - held)
 

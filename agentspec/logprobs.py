@@ -1,7 +1,7 @@
 """The target's log-probabilities of a call's output tokens (``GenerationConfig.logprobs``).
 
 A call that asks for them keeps, in each verify pass, the logits rows of the tokens the grammar
-forced as well as the draft's and the bonus row (``decode._Pass.keep``), so every output token's row
+forced as well as the draft's and the bonus row (``request.Share.keep``), so every output token's row
 comes from the pass that verified it: no extra target pass. On the device, ``scores`` turns the rows
 into each row's emitted token's log-probability and the ``top`` most likely tokens with theirs; the
 host reads them in one more read per pass (``agentspec.packed.read_verdicts``), and ``entries`` pairs

@@ -1,25 +1,25 @@
 """A pair's passes, shared by every call on it: continuous batching of draft/verify passes.
 
 Every call on a pair (``agentspec.decode.stream`` and all that consume it: ``generate``, the chat
-model's invoke, stream, batch and async forms, the server) is a ``Member`` of the pair's one
-``Scheduler``. Its thread, the engine's, owns the models: each pass asks every running member for
-its share (its draft, and the tokens to feed: pending, forced, drafted; the members' drafting steps
+model's invoke, stream, batch and async forms, the server) is a ``Request`` of the pair's one
+``Scheduler``. Its thread, the engine's, owns the models: each pass asks every running request for
+its share (its draft, and the tokens to feed: pending, forced, drafted; the requests' drafting steps
 run together, ``agentspec.packed.DraftRound``), runs **one** target forward over the new rows of all
-of them (``agentspec.packed``), and hands each member its logits to accept, roll back and turn into
+of them (``agentspec.packed``), and hands each request its logits to accept, roll back and turn into
 its caller's Step. A caller never runs the models: it hands the engine its join (the prompt
-checked, the prefix cache restored, the member added) and its leave (the verified state saved) as
+checked, the prefix cache restored, the request added) and its leave (the verified state saved) as
 tasks (``Scheduler.call``), which the engine runs between passes, and reads its Steps from its
-member's outbox.
+request's outbox.
 
 A long prompt joining while others decode is prefilled in chunks of ``prefill_chunk`` tokens, one
 per pass, beside the others' rows (vLLM's chunked prefill), so it does not stall them; where
 several prompts are being prefilled, those of the most urgent ``GenerationConfig.priority`` go first
-(``urgent``). A member whose caller has not taken its last ``LOOKAHEAD`` Steps sits out passes until
+(``urgent``). A request whose caller has not taken its last ``LOOKAHEAD`` Steps sits out passes until
 it does.
 
-Failures stay with their member: a share that cannot be planned or landed fails that call alone; a
-packed forward that fails is retried per member (out of memory: in halves, after freeing memory),
-so only the member whose rows fail gets the error. The state of every other member is whole.
+Failures stay with their request: a share that cannot be planned or landed fails that call alone; a
+packed forward that fails is retried per request (out of memory: in halves, after freeing memory),
+so only the request whose rows fail gets the error. The state of every other request is whole.
 """
 
 from __future__ import annotations
@@ -31,18 +31,19 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from agentspec import request
 from agentspec.cost import PairCost
-from agentspec.kv import ModelState, PassIds, common_prefix_len, longest_holder
+from agentspec.kv import common_prefix_len, longest_holder
 from agentspec.memory import forward_retrying, is_oom, release_cached_memory
-from agentspec.packed import DraftRound, Read, Verdict, forward_packed, packable, read_verdicts
-from agentspec.steps import Steps, run_alone
+from agentspec.packed import DraftRound, forward_packed, packable, read_verdicts
+from agentspec.request import Request
+from agentspec.steps import run_alone
 
 log = logging.getLogger(__name__)
 
-LOOKAHEAD = 4  # Steps a member may run ahead of its caller before it sits out passes
-# prompt tokens a joining member feeds per pass while others decode, by device kind: on a CPU a long
+# prompt tokens a joining request feeds per pass while others decode, by device kind: on a CPU a long
 # prompt fed in larger chunks stretches the decoding calls' time between tokens far past its median
 # (docs/benchmarks.md, concurrency: join); a GPU's passes take far more rows for the time of one
 # (vLLM's default budget there is thousands of tokens)
@@ -57,108 +58,30 @@ SCHEDULE_DRAFTS = True  # a shared pass verifies the drafts likely to survive (`
 SHARE_PROMPTS = True  # prompt rows a running call holds are copied, not computed (``_share_prompts``)
 
 
-class Share(Protocol):
-    """A member's part of one pass, as the scheduler reads it."""
-
-    feed: PassIds | None  # the target's new tokens (None: no forward, e.g. a grammar alone finishes)
-
-    @property
-    def keep(self) -> int:
-        """The logits rows the member reads (the last ones of its feed; 0: none)."""
-        ...
-
-    tap: tuple[int, ...]  # the target's features of its rows the member reads too (none: ())
-    # S_1 >= S_2 >= ...: the chance that its draft's first i tokens all survive, where the scheduler
-    # may verify a prefix of the draft only (``Member.trim``); None: fed whole
-    survival: list[float] | None
-
-
-class Member(Protocol):
-    """A call in the scheduler (``agentspec.decode`` makes them)."""
-
-    target: ModelState  # the target's state its shares are fed into
-    free_memory: Callable[[], None] | None  # frees memory before a forward is retried
-    namespace: str | None  # its tenant: calls share the rows of their prompts within one only
-
-    @property
-    def priority(self) -> int:
-        """Its call's ``GenerationConfig.priority``: lower goes first where the scheduler chooses."""
-        ...
-
-    @property
-    def prefilling(self) -> bool:
-        """Part of its prompt is still to be fed before its last token (a chunk per pass)."""
-        ...
-
-    def ready(self) -> bool:
-        """It takes part in the next pass (its caller has kept up, and has not left)."""
-        ...
-
-    @property
-    def cached(self) -> int:
-        """Positions the target's state holds for it (what its rows attend to)."""
-        ...
-
-    def wanted(self) -> list[int]:
-        """While it prefills: the prompt ids its target is to hold before its first full pass, which
-        it may copy from another call's state instead of computing them (else [])."""
-        ...
-
-    def take_rows(self, donor: Member, end: int) -> int:
-        """Copy ``donor``'s target rows up to position ``end`` (``donor.target.ids[:end]`` is a prefix
-        of ``wanted()``) instead of computing them; returns how many it took."""
-        ...
-
-    def share(self, chunk: int | None, cap: int | None) -> Steps[Share]:
-        """Its share of the next pass, planned in steps (its drafter's model forwards: ``agentspec.steps``)
-        that the scheduler runs with the other members'; ``chunk``: the most uncached prompt tokens it
-        may feed; ``cap``: the most drafter tokens (None: its own cap)."""
-        ...
-
-    def trim(self, share: Share, n: int) -> None:
-        """Verify only the first ``n`` tokens of its share's draft (its feed shrinks to match)."""
-        ...
-
-    def judge(self, share: Share, out: Any) -> Verdict | None:
-        """The pass's verdict from its logits ``out``, on the device: what the host is to read for
-        it (None: nothing; no forward ran, or it reads no logits)."""
-        ...
-
-    def land(self, share: Share, read: Read | None, alone: bool) -> bool:
-        """Take the verdict's values as read; True when it leaves the running set (finished,
-        failed or timed out: it told its caller)."""
-        ...
-
-    def fail(self, exc: BaseException) -> None:
-        """Roll the target back to before the pass under way, and tell its caller the call failed
-        with ``exc``; it leaves the running set."""
-        ...
-
-
 @dataclass
 class SchedulerStats:
     """What the scheduler has done, for metrics (read without the pair's lock: a snapshot)."""
 
-    running: int = 0  # members decoding
+    running: int = 0  # requests decoding
     waiting: int = 0  # callers waiting to join (for the lock, or for a slot)
     passes: int = 0  # target forwards run
     rows: int = 0  # tokens fed over all those forwards
-    members: int = 0  # member shares over all those forwards (members per pass = members / passes)
+    members: int = 0  # requests' shares over all those forwards (requests per pass = members / passes)
     trimmed: int = 0  # draft tokens drafted but not verified: their rows did not pay in a shared pass
     shared: int = 0  # prompt rows copied from another running call's state, not computed
     draft_shared: int = 0  # the same, of draft models' states (``packed.DraftRound``)
-    deferred: int = 0  # member shares that sat out a pass to copy, at the next, rows another computes
+    deferred: int = 0  # request shares that sat out a pass to copy, at the next, rows another computes
     # drafters' model steps (draft model or head) asked, and the passes that ran them: packed, a pass
     # runs one step of every call drafting at once (steps per pass = draft_steps / draft_passes)
     draft_steps: int = 0
     draft_passes: int = 0
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (members, rows) of recent passes
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (requests, rows) of recent passes
 
 
-def _share(member: Member, chunk: int | None, cap: int | None) -> Share | Exception:
-    """``member``'s share planned by itself (its drafter's steps run one by one)."""
+def _share(req: Request, chunk: int | None, cap: int | None) -> Any:
+    """``req``'s share planned by itself (its drafter's steps run one by one), or its error."""
     try:
-        return run_alone(member.share(chunk, cap))
+        return run_alone(request.plan(req, chunk, cap))
     except Exception as exc:
         return exc
 
@@ -166,18 +89,18 @@ def _share(member: Member, chunk: int | None, cap: int | None) -> Share | Except
 def batch_lengths(
     survivals: Sequence[Sequence[float]], fixed_rows: int, pass_s: Callable[[int], float]
 ) -> list[int]:
-    """Each member's draft length in one packed pass, for the most expected tokens per second.
+    """Each request's draft length in one packed pass, for the most expected tokens per second.
 
-    ``survivals[i]`` are member i's S_1 >= S_2 >= ... (its draft's prefix survivals); ``fixed_rows``
-    the rows the pass feeds whatever the drafts (each member's pending token, prompt chunks, drafts
-    not scheduled); ``pass_s(rows)`` what a pass of that many rows costs. Each member yields 1 + the
+    ``survivals[i]`` are request i's S_1 >= S_2 >= ... (its draft's prefix survivals); ``fixed_rows``
+    the rows the pass feeds whatever the drafts (each request's pending token, prompt chunks, drafts
+    not scheduled); ``pass_s(rows)`` what a pass of that many rows costs. Each request yields 1 + the
     survivals it keeps. Draft tokens are admitted most likely first (DSpark: a prefix's survival
-    never rises along it, so every member keeps a prefix), and the count kept is the one with the
+    never rises along it, so every request keeps a prefix), and the count kept is the one with the
     best tokens per second over every count: a lone call keeps its drafts while rows are cheap, a
     full pass only what will likely survive.
     """
     ranked = sorted(
-        ((s, i, j) for i, member in enumerate(survivals) for j, s in enumerate(member)),
+        ((s, i, j) for i, req in enumerate(survivals) for j, s in enumerate(req)),
         key=lambda t: (-t[0], t[2], t[1]),
     )
     tokens = float(len(survivals))
@@ -193,16 +116,16 @@ def batch_lengths(
     return lengths
 
 
-def urgent(members: list[Member]) -> list[Member]:
-    """The members that take part in a pass: every one, except that while two or more prompts are
+def urgent(reqs: list[Request]) -> list[Request]:
+    """The requests that take part in a pass: every one, except that while two or more prompts are
     being prefilled in chunks, only those of the most urgent priority among them feed theirs; the
     others wait until they are through, so a prompt that matters more reaches its first token in
     fewer passes. Calls already decoding are never held back."""
-    waiting = [m for m in members if m.prefilling]
-    if len(members) < 2 or len(waiting) < 2:
-        return members
+    waiting = [m for m in reqs if m.prefilling]
+    if len(reqs) < 2 or len(waiting) < 2:
+        return reqs
     best = min(m.priority for m in waiting)
-    return [m for m in members if not m.prefilling or m.priority == best]
+    return [m for m in reqs if not m.prefilling or m.priority == best]
 
 
 class NotTaken(TimeoutError):
@@ -236,13 +159,13 @@ class Scheduler:
         self.lock = lock  # the pair's: held by the engine's thread for each pass and each task
         self.cost = cost  # the pair's: what a pass of so many rows costs (``draft_cap``)
         self.prefill_chunk = prefill_chunk
-        self.load_factor = load_factor  # None: members draft as alone, whatever the load
+        self.load_factor = load_factor  # None: requests draft as alone, whatever the load
         self.schedule_drafts = schedule_drafts  # each shared pass verifies what will likely survive
         self.share_prompts = share_prompts  # a prompt's rows held by another call are copied, not computed
-        # members draft in lockstep, a draft model's steps run together (``packed.DraftRound``); False
+        # requests draft in lockstep, a draft model's steps run together (``packed.DraftRound``); False
         # where drafters share one draft state (``ModelPair.draft_cache`` static or compiled)
         self.batch_drafts = batch_drafts
-        self.running: list[Member] = []
+        self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._turns = threading.Condition()  # guards _tasks and _thread; wakes the pass loop
         self._tasks: deque[_Task] = deque()  # callers' joins and leaves, run before the next pass
@@ -263,7 +186,7 @@ class Scheduler:
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """``fn()``, run in the engine's thread between passes, holding the pair's lock, while the
-        caller waits: how a call joins (its prompt checked, its prefix restored, its member added)
+        caller waits: how a call joins (its prompt checked, its prefix restored, its request added)
         and leaves (its state saved). Its error is raised here; ``NotTaken`` where ``timeout``
         (seconds; None: no limit) ran out before the engine took it. Starts the engine's thread
         where none runs (a new one after one that died)."""
@@ -302,19 +225,19 @@ class Scheduler:
         self.lock.release()
         return True
 
-    def add(self, member: Member) -> None:
-        """Run ``member`` from the next pass on (in a task of the engine's thread: ``call``)."""
-        self.running.append(member)
+    def add(self, req: Request) -> None:
+        """Run ``req`` from the next pass on (in a task of the engine's thread: ``call``)."""
+        self.running.append(req)
         self.stats.running = len(self.running)
 
-    def remove(self, member: Member) -> None:
-        """Stop running ``member`` (in the engine's thread); a member no longer running is left alone."""
-        if member in self.running:
-            self.running.remove(member)
+    def remove(self, req: Request) -> None:
+        """Stop running ``req`` (in the engine's thread); a request no longer running is left alone."""
+        if req in self.running:
+            self.running.remove(req)
             self.stats.running = len(self.running)
 
     def wake(self) -> None:
-        """A caller took a Step (or left): a member that sat out may run again."""
+        """A caller took a Step (or left): a request that sat out may run again."""
         with self._turns:
             self._turns.notify_all()
 
@@ -329,7 +252,7 @@ class Scheduler:
             self._die(exc)
 
     def _step(self) -> bool:
-        """The tasks waiting, then one pass of the members ready; False once nothing is left to run."""
+        """The tasks waiting, then one pass of the requests ready; False once nothing is left to run."""
         with self.lock, ExitStack() as observed:
             self._between_passes = True  # holding the lock: a task submitted now is taken next
             try:
@@ -340,14 +263,14 @@ class Scheduler:
                             self._thread = None
                             return False
                     return True
-                members = urgent([m for m in self.running if m.ready()])
+                reqs = urgent([m for m in self.running if m.ready()])
             finally:
                 self._between_passes = False
             for observer in tuple(self._observers):
                 observed.enter_context(observer())
-            if members:
-                self._guarded_pass(members)
-        if not members:  # every caller is behind: wait for one to take a Step, or for a task
+            if reqs:
+                self._guarded_pass(reqs)
+        if not reqs:  # every caller is behind: wait for one to take a Step, or for a task
             with self._turns:
                 if not self._tasks:
                     self._turns.wait(timeout=0.05)
@@ -378,23 +301,23 @@ class Scheduler:
         for m in list(self.running):
             self._fail(m, exc)
 
-    def _guarded_pass(self, members: list[Member]) -> None:
-        """A pass; a failure of the scheduler's own (not a member's) fails the members of the pass,
+    def _guarded_pass(self, reqs: list[Request]) -> None:
+        """A pass; a failure of the scheduler's own (not a request's) fails the requests of the pass,
         so that no caller waits on a pass that will never come."""
         try:
-            self._pass(members)
+            self._pass(reqs)
         except Exception as exc:
-            log.exception("a pass of %d calls failed", len(members))
-            for m in members:
+            log.exception("a pass of %d calls failed", len(reqs))
+            for m in reqs:
                 if m in self.running:
                     self._fail(m, exc)
 
-    def _pass(self, members: list[Member]) -> None:
+    def _pass(self, reqs: list[Request]) -> None:
         if self.share_prompts:
-            members = self._share_prompts(members)
-        chunk = self.prefill_chunk if len(members) > 1 else None
+            reqs = self._share_prompts(reqs)
+        chunk = self.prefill_chunk if len(reqs) > 1 else None
         shares = []
-        for m, share in zip(members, self._shares(members, chunk)):
+        for m, share in zip(reqs, self._shares(reqs, chunk)):
             if isinstance(share, BaseException):  # that call's own failure: the others run
                 self._fail(m, share)
             else:
@@ -417,25 +340,27 @@ class Scheduler:
             try:
                 if isinstance(out, BaseException):
                     raise out
-                judged.append((m, s, m.judge(s, out)))
+                judged.append((m, s, request.judge(m, s, out)))
             except Exception as exc:
                 self._fail(m, exc)
         landing = self._read(judged)  # the host read: the pass is done on the device
-        if fed and len(landing) == len(shares):  # no member failed: one whole pass
+        if fed and len(landing) == len(shares):  # no request failed: one whole pass
             self.cost.observe_rows(rows, time.perf_counter() - begun)
         for m, s, read in landing:
             try:
-                left = m.land(s, read, alone)
+                step, left = request.land(m, s, read)
             except Exception as exc:
                 self._fail(m, exc)
                 continue
+            if alone and step is not None and step.target_pass:  # a pass of its own, as a solo call's
+                self.cost.observe(step.fed, step.cached, step.seconds)
             if left:
                 self.remove(m)
 
     def _read(self, judged: list) -> list:
-        """(member, share, its verdict as read) with every member's verdict read in one host read (on
+        """(request, share, its verdict as read) with every request's verdict read in one host read (on
         a GPU, the one wait of the pass; log-probabilities, where asked for, in one more); a failed
-        read fails its members."""
+        read fails its requests."""
         verdicts = [v for _, _, v in judged if v is not None]
         try:
             values = iter(read_verdicts(verdicts)) if verdicts else iter(())
@@ -445,24 +370,24 @@ class Scheduler:
             return []
         return [(m, s, next(values) if v is not None else None) for m, s, v in judged]
 
-    def draft_cap(self, members: list[Member]) -> int | None:
-        """The most drafter tokens each member may add to a pass of ``members`` (None: no bound).
+    def draft_cap(self, reqs: list[Request]) -> int | None:
+        """The most drafter tokens each request may add to a pass of ``reqs`` (None: no bound).
 
         Drafts are rows of the pass; while a pass is bound by reading the weights, rows are nearly
         free, and past ``rows_within(load_factor)`` (the cost model, by rows) each costs its share.
-        Under that load every member keeps its pending token and drafts within an equal part of
+        Under that load every request keeps its pending token and drafts within an equal part of
         the budget (vLLM lowers its draft length with the batch size for the same reason); one
-        member alone drafts as its schedule says.
+        request alone drafts as its schedule says.
         """
-        if len(members) == 1 or self.load_factor is None:
+        if len(reqs) == 1 or self.load_factor is None:
             return None
-        rows = self.cost.rows_within(self.load_factor, max(m.cached for m in members))
-        return max(0, rows // len(members) - 1)
+        rows = self.cost.rows_within(self.load_factor, max(m.cached for m in reqs))
+        return max(0, rows // len(reqs) - 1)
 
-    def _verify_lengths(self, fed: list[tuple[Member, Share]]) -> None:
-        """DSpark's one decision for the pass: the draft tokens of all its members, likeliest to
+    def _verify_lengths(self, fed: list[tuple[Request, request.Share]]) -> None:
+        """DSpark's one decision for the pass: the draft tokens of all its requests, likeliest to
         survive first, admitted while the pass's expected tokens per second still rise, priced by
-        the pair's measured pass times by rows (``PairCost.pricer``). A member whose draft has no
+        the pair's measured pass times by rows (``PairCost.pricer``). A request whose draft has no
         survival estimates (a sampled call's, a grammar's) is fed whole."""
         flexible = [(m, s, est) for m, s in fed if (est := s.survival)]
         if not flexible:
@@ -473,20 +398,20 @@ class Scheduler:
         for (m, s, est), n in zip(flexible, lengths):
             if n < len(est):
                 self.stats.trimmed += len(est) - n
-                m.trim(s, n)
+                request.trim(m, s, n)
 
-    def _share_prompts(self, members: list[Member]) -> list[Member]:
-        """A prompt's rows computed once in flight, as SGLang's in-batch prefix sharing: each member
+    def _share_prompts(self, reqs: list[Request]) -> list[Request]:
+        """A prompt's rows computed once in flight, as SGLang's in-batch prefix sharing: each request
         still prefilling first copies the rows of its prompt that a running call of its namespace
-        holds (``_take_rows``); of members whose next prompt rows are the same tokens, the first
-        computes them and the others sit this pass out, to copy them at the next. A member sits out
+        holds (``_take_rows``); of requests whose next prompt rows are the same tokens, the first
+        computes them and the others sit this pass out, to copy them at the next. A request sits out
         only where what it would copy is at least half the rows it would compute (a chunk, or the
         rest of its prompt), so a prompt that shares a few tokens does not lose a pass for them.
-        Returns the members that take part in the pass."""
-        prefilling = [m for m in members if m.prefilling]
+        Returns the requests that take part in the pass."""
+        prefilling = [m for m in reqs if m.prefilling]
         if not prefilling:
-            return members
-        computing: list[tuple[Member, list[int]]] = []  # members feeding prompt rows, and their wanted
+            return reqs
+        computing: list[tuple[Request, list[int]]] = []  # requests feeding prompt rows, and their wanted
         waiting: set[int] = set()
         for m in prefilling:
             wanted = m.wanted()
@@ -506,48 +431,48 @@ class Scheduler:
             else:
                 computing.append((m, wanted))
         self.stats.deferred += len(waiting)
-        return [m for m in members if id(m) not in waiting]
+        return [m for m in reqs if id(m) not in waiting]
 
-    def _take_rows(self, member: Member, wanted: list[int]) -> None:
-        """Copy into ``member`` the longest run of ``wanted`` past what it holds that a running call
+    def _take_rows(self, req: Request, wanted: list[int]) -> None:
+        """Copy into ``req`` the longest run of ``wanted`` past what it holds that a running call
         of its namespace holds."""
-        at = member.cached
+        at = req.cached
         if at >= len(wanted):
             return
-        others = [o for o in self.running if o is not member and o.namespace == member.namespace]
+        others = [o for o in self.running if o is not req and o.namespace == req.namespace]
         donor, end = longest_holder([o.target for o in others], wanted, at)
         if donor is None:
             return
         try:
-            self.stats.shared += member.take_rows(others[donor], end)
-        except Exception:  # the member computes them instead: a copy only saves work
+            self.stats.shared += request.take_rows(req, others[donor], end)
+        except Exception:  # the request computes them instead: a copy only saves work
             log.warning("copying %d prompt rows from another call failed", end - at, exc_info=True)
 
-    def _shares(self, members: list[Member], chunk: int | None) -> list:
-        """Each member's share of the pass (or the exception its drafting raised)."""
-        cap = self.draft_cap(members)
-        if len(members) == 1 or not self.batch_drafts:
-            return [_share(m, chunk, cap) for m in members]
+    def _shares(self, reqs: list[Request], chunk: int | None) -> list:
+        """Each request's share of the pass (or the exception its drafting raised)."""
+        cap = self.draft_cap(reqs)
+        if len(reqs) == 1 or not self.batch_drafts:
+            return [_share(m, chunk, cap) for m in reqs]
         drafting = DraftRound(share=self.share_prompts)
-        shares = drafting.run([m.share(chunk, cap) for m in members], [m.namespace for m in members])
+        shares = drafting.run([request.plan(m, chunk, cap) for m in reqs], [m.namespace for m in reqs])
         self.stats.draft_steps += drafting.steps
         self.stats.draft_passes += drafting.passes
         self.stats.draft_shared += drafting.shared
         return shares
 
-    def _fail(self, member: Member, exc: BaseException) -> None:
-        self.remove(member)
-        member.fail(exc)
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        self.remove(req)
+        request.fail(req, exc)
 
-    def _forward(self, fed: list[tuple[Member, Share]]) -> dict[int, Any]:
-        """Each fed member's logits (or the exception its rows failed with), by ``id(member)``."""
+    def _forward(self, fed: list[tuple[Request, request.Share]]) -> dict[int, Any]:
+        """Each fed request's logits (or the exception its rows failed with), by ``id(request)``."""
         if len(fed) == 1:
             m, s = fed[0]
             return {id(m): self._alone(m, s)}
         states = [m.target for m, _ in fed]
         if not all(packable(state) for state in states):  # a model or cache the packed pass cannot feed
             return {id(m): self._alone(m, s) for m, s in fed}
-        # every head on a pair reads the same layers: a pass taps them for the members that read them
+        # every head on a pair reads the same layers: a pass taps them for the requests that read them
         tap = next((s.tap for _, s in fed if s.tap), ())
         try:
             outs = forward_packed(states, [s.feed for _, s in fed], [s.keep for _, s in fed], tap)
@@ -560,14 +485,14 @@ class Scheduler:
         return {id(m): out if s.tap or not tap else out[0] for (m, s), out in zip(fed, outs)}
 
     @staticmethod
-    def _alone(member: Member, share: Share) -> Any:
+    def _alone(req: Request, share: request.Share) -> Any:
         try:
-            return forward_retrying(member.target, share.feed, share.keep, member.free_memory, share.tap)
+            return forward_retrying(req.target, share.feed, share.keep, req.free_memory, share.tap)
         except Exception as exc:
             return exc
 
     @staticmethod
-    def _free(fed: list[tuple[Member, Share]]) -> None:
+    def _free(fed: list[tuple[Request, request.Share]]) -> None:
         frees = {id(m.free_memory): m.free_memory for m, _ in fed if m.free_memory is not None}
         for free in frees.values():
             try:

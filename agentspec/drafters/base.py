@@ -24,7 +24,7 @@ class Draft:
     """Proposed tokens, and the distributions they were sampled from.
 
     ``tokens`` are host ids, or a [k] long tensor on the model's device (a draft model's tokens,
-    which then reach the host only with the verification's one read: ``decode._verify``).
+    which then reach the host only with the verification's one read: ``request._verdict``).
     ``q`` is [len(tokens), V] when the drafter sampled from a distribution (temperature > 0), and
     None for greedy or model-free drafts (verification then treats the draft as one-hot).
     ``source`` names where the tokens came from when a drafter has several sources (``drafter="auto"``:

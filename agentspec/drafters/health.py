@@ -1,7 +1,7 @@
 """A drafter that keeps failing is rested: a cool-down across calls.
 
 A drafter exception never changes an answer (the loop carries on with the target alone, see
-``decode._drop``), but a drafter that raises on every call still costs time on every call (a draft
+``request._drop``), but a drafter that raises on every call still costs time on every call (a draft
 model that runs out of memory, say). ``DraftHealth`` counts, per drafter chosen by name ("auto",
 "model", ...: built afresh for each call; a Drafter instance passed in is left to its owner), the
 calls in a row in which it failed; after ``threshold`` of them the next ``cooldown`` calls

@@ -1,6 +1,6 @@
 """OpenTelemetry spans and metrics for model calls: tokens, speculation, cache reuse, latency saved.
 
-Stats are data (``agentspec.stats.DecodeStats`` and the per-pass ``agentspec.decode.Step``); this
+Stats are data (``agentspec.stats.DecodeStats`` and the per-pass ``agentspec.request.Step``); this
 package is one exporter of them:
 
 - ``attributes``: every attribute and metric name (``gen_ai.*`` after the OpenTelemetry GenAI

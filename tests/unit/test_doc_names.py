@@ -65,10 +65,14 @@ def cited() -> list[tuple[str, str]]:
     return out
 
 
+# span attributes (``agentspec.telemetry.attributes``) whose namespace is also a module's dotted name
+ATTRIBUTE_NAMESPACES = ("agentspec.request.",)
+
+
 def resolve(name: str, modules: dict[str, str]) -> str | None:
     """None where ``name`` resolves (or is not ours), else what is missing."""
     parts = name.split(".")
-    if parts[-1] in FILES:
+    if parts[-1] in FILES or name.startswith(ATTRIBUTE_NAMESPACES):
         return None
     for cut in range(len(parts), 0, -1):  # the longest leading part that is one of our modules
         full = modules.get(".".join(parts[:cut]))

@@ -33,8 +33,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("agentspec.chat", "agentspec"),
     ("agentspec.decode",),
     ("agentspec.models", "agentspec.draft_folder", "agentspec.head_folder"),
+    ("agentspec.scheduler", "agentspec.request"),  # the engine's loop, and the requests it runs
     ("agentspec.drafters", "agentspec.warm"),  # warm: a loaded pair's passes, for the models to run at load
-    ("agentspec.cost", "agentspec.scheduler"),
+    ("agentspec.cost",),
     ("agentspec.cache", "agentspec.static_kv"),
     (
         "agentspec.kv",

@@ -29,7 +29,7 @@ from agentspec.cost import DEFAULT_VERIFY_COST
 from agentspec.decode import DecodeTimeout
 from agentspec.drafters import Drafter
 from agentspec.memory import DeviceOutOfMemory
-from agentspec.scheduler import LOOKAHEAD
+from agentspec.request import LOOKAHEAD
 
 N_NEW = 16
 LOOKAHEAD_PLUS_ONE = LOOKAHEAD + 1  # Steps a call may have run ahead when its caller cancels, and one more
