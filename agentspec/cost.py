@@ -1,18 +1,19 @@
 """What the target's passes cost on this machine: one owner per pair (``PairCost``), below the loop.
 
-Two questions are asked of it, and both are answered from passes the decoding loop timed anyway:
+The engine tells it every whole pass it ran (``PairCost.observe``), traced or not: its rows over all
+its requests and its time. Three questions are answered from those passes:
 
-- the drafting schedule asks what a verify pass over ``n`` rows costs against a one-row pass
-  (``VerifyCost``: ``V(n) = T(n) / T(1)`` and the draft step's share, learned from the greedy calls'
-  verify passes on the device's clock by ``agentspec.drafters.schedule.PassTimer``);
+- the scheduler asks what a pass over so many rows costs (``PairCost.pricer``: DSpark's verify
+  lengths of a shared pass, ``rows_within``), and the drafting schedule what it costs against a
+  one-row pass (``VerifyCost``: ``V(n) = T(n) / T(1)``, and the draft step's share). Both read one
+  record, ``PassTimes``: recent pass times by rows;
 - telemetry and the server ask what the same call would have cost with plain decoding and no prefix
-  cache, for latency saved (``CostModel`` in seconds, ``baseline_seconds``).
+  cache, for latency saved (``CostModel`` in seconds, ``baseline_seconds``), a curve of the context
+  length too, taught by the passes of one request.
 
-``PairCost`` (``ModelPair.cost``) holds both for one pair: one ``VerifyCost`` shared by every namespace
-(what a pass costs does not depend on the tenant), and a ``CostModel`` per torch thread count (a CPU
-pass's time depends on it). The loop tells it every target pass it ran (``PairCost.observe``), traced
-or not; telemetry only reads it. ``PairCost.pass_s(rows, cached)`` prices one target pass by its rows,
-the figure a scheduler batching the rows of many calls into one pass needs.
+``PairCost`` (``ModelPair.cost``) holds them for one pair: one ``PassTimes`` and ``VerifyCost`` shared
+by every namespace (what a pass costs does not depend on the tenant), and a ``CostModel`` per torch
+thread count (a CPU pass's time depends on it); telemetry only reads it.
 
 The latency baseline: what ``speculative=False, prefix_cache=False`` would do with the same prompt and
 output: one pass over all ``P`` prompt tokens (giving the first output token), then one single-token
@@ -24,11 +25,12 @@ pass per further output token, after ``P``, ``P + 1``, ... cached tokens, priced
 - ``decode_s(c) = d0 + d1 c``: a one-token pass after ``c`` cached tokens.
 
 It starts from a prior for its device kind (a plausible shape, a guessed size) and learns this target
-on this machine from the timed passes: one-token passes (no draft: exactly a baseline decode pass)
-move ``decode_scale``; passes over 16 tokens or more (a prompt's uncached part, with any drafts on top)
-move ``prefill_scale``. Verify passes over k+1 < 16 tokens move nothing: besides costing more than a
-one-token pass, they carry per-pass work a plain pass does not (drafting, k+1 rows of verification and
-grammar masks), which pushed estimates high when they were tried. On a prior the first pass a term
+on this machine from the passes of one request (a pass shared by several has no one context):
+one-token passes (no draft: exactly a baseline decode pass) move ``decode_scale``; passes over 16
+tokens or more (a prompt's uncached part, with any drafts on top) move ``prefill_scale``. Verify
+passes over k+1 < 16 tokens move nothing: besides costing more than a one-token pass, they carry
+per-pass work a plain pass does not (drafting, k+1 rows of verification and grammar masks), which
+pushed estimates high when they were tried. On a prior the first pass a term
 sees sets its scale, later ones average in; until a term has seen a pass it borrows the other term's
 scale, and the span says ``agentspec.latency.cost_source = "prior"``; once both have, ``"observed"``.
 Every pass of a call is observed before its estimate is made, so a call that is itself plain decoding
@@ -121,65 +123,90 @@ def isotonic(points: Sequence[tuple[int, float, float]]) -> list[tuple[int, floa
     return [(x, v) for (x, _, _), v in zip(points, fitted)]
 
 
+def rows_bucket(rows: int) -> int:
+    """The row count a pass is filed under: itself up to 64, else the power of two at or above it."""
+    return rows if rows <= 64 else 1 << (rows - 1).bit_length()
+
+
+@dataclass
+class PassTimes:
+    """Seconds of the target passes a pair's engine ran, by their rows: the one record that prices a
+    pass by its rows, for the drafting schedule (``VerifyCost``) and the scheduler (``PairCost.pricer``).
+
+    Every whole pass is observed with all its requests' rows (a drafter sees only its share of a
+    shared pass). Each bucket (``rows_bucket``) keeps its last ``window`` passes; its time is their
+    median (robust to a pass that another process delayed; recent, so the buckets come from similar
+    context lengths). ``points`` reads the buckets with ``min_samples`` passes.
+    """
+
+    window: int = 32
+    min_samples: int = 3
+    observed: int = 0  # passes seen
+    _times: dict[int, deque] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows < 1 or seconds <= 0:
+            return
+        with self._lock:
+            self.observed += 1
+            self._times.setdefault(rows_bucket(rows), deque(maxlen=self.window)).append(seconds)
+
+    def points(self) -> list[tuple[int, float]]:
+        """(bucket, seconds) of the buckets with enough passes, by rows: their medians, fitted
+        non-decreasing (weighted isotonic regression: a pass of more rows never costs less, and a
+        running maximum of noisy medians would inflate the curve)."""
+        with self._lock:
+            seen = [(n, list(t)) for n, t in self._times.items() if len(t) >= self.min_samples]
+        return isotonic(sorted((n, statistics.median(t), len(t)) for n, t in seen))
+
+
 @dataclass
 class VerifyCost:
-    """V(n) = T(n)/T(1) and the draft step's cost, learned from timed passes when ``learn`` is on.
+    """V(n) = T(n)/T(1) and the draft step's cost, the drafting schedule's price of a pass.
 
-    Each size n keeps its last ``window`` pass times; T(n) is their median (robust to a pass that
-    another process delayed; recent, so T(1) and T(n) come from similar context lengths). V(n)
-    comes from the sizes with at least ``min_samples`` passes, fitted non-decreasing (weighted
-    isotonic regression: a running maximum of noisy estimates would inflate the curve),
-    interpolated between them, and beyond the largest one follows the prior curve's shape; with no
-    observations it is the prior. T(1) is observed directly, or inferred from other sizes through
-    the prior.
+    Read from the pair's ``PassTimes`` where they have passes of a size: between measured sizes
+    interpolated, beyond the largest one following the prior curve's shape; T(1) is measured, or
+    inferred from other sizes through the prior. With no ``times`` (a sampled call's frozen copy) or
+    none measured yet, it is the prior. The draft step's share is learned from the draft model's
+    steps (``observe_draft``), timed by the drafter on the device's clock (``schedule.DraftStepTimer``).
     """
 
     prior: tuple[tuple[int, float], ...] = DEFAULT_VERIFY_COST
     draft_step_prior: float = DEFAULT_DRAFT_STEP
-    learn: bool = True
-    min_samples: int = 3
-    window: int = 32
-    times: dict[int, deque] = field(default_factory=dict)  # n -> recent pass times (seconds)
+    times: PassTimes | None = None  # None: the prior alone, learning nothing
     draft_times: deque = field(default_factory=lambda: deque(maxlen=32))  # recent draft steps (seconds)
+    min_samples: int = 3  # draft steps before their median replaces the prior's share
     _curve: tuple[tuple[int, float], ...] | None = None
-
-    def observe_pass(self, n_new: int, seconds: float) -> None:
-        if not self.learn or n_new < 1 or seconds <= 0:
-            return
-        self.times.setdefault(n_new, deque(maxlen=self.window)).append(seconds)
-        self._curve = None
+    _seen: int = -1  # ``times.observed`` when ``_curve`` was read
 
     def observe_draft(self, seconds_per_step: float) -> None:
-        if self.learn and seconds_per_step > 0:
+        if self.times is not None and seconds_per_step > 0:
             self.draft_times.append(seconds_per_step)
 
-    def _medians(self) -> dict[int, tuple[float, int]]:
-        return {
-            n: (statistics.median(t), len(t)) for n, t in self.times.items() if len(t) >= self.min_samples
-        }
-
-    def _t1(self) -> float | None:
-        seen = self._medians()
-        if 1 in seen:
-            return seen[1][0]
-        if not seen:
+    def _t1(self, points: list[tuple[int, float]]) -> float | None:
+        if not points:
             return None
-        return sum(t / interpolate(self.prior, n) for n, (t, _) in seen.items()) / len(seen)
+        if points[0][0] == 1:
+            return points[0][1]
+        return sum(t / interpolate(self.prior, n) for n, t in points) / len(points)
 
     def curve(self) -> tuple[tuple[int, float], ...]:
         """The current (n, V(n)) points."""
-        if self._curve is None:
-            t1 = self._t1()
-            seen = self._medians()
-            data = [(n, t / t1, float(k)) for n, (t, k) in sorted(seen.items()) if n > 1] if t1 else []
-            if not data:
+        if self.times is None:
+            return tuple(self.prior)
+        if self._curve is None or self._seen != self.times.observed:
+            self._seen = self.times.observed
+            points = self.times.points()
+            t1 = self._t1(points)
+            data = [(1, 1.0)] + [(n, max(1.0, t / t1)) for n, t in points if n > 1] if t1 else []
+            if len(data) < 2:
                 self._curve = tuple(self.prior)
                 return self._curve
-            points = [(1, 1.0)] + [(n, max(1.0, v)) for n, v in isotonic(data)]
-            last_n, last_v = points[-1]  # past the last observed size: the prior's growth from there
+            last_n, last_v = data[-1]  # past the last measured size: the prior's growth from there
             base = interpolate(self.prior, last_n)
-            points += [(n, last_v * v / base) for n, v in self.prior if n > last_n]
-            self._curve = tuple(points)
+            data += [(n, last_v * v / base) for n, v in self.prior if n > last_n]
+            self._curve = tuple(data)
         return self._curve
 
     def verify(self, n: int) -> float:
@@ -188,25 +215,26 @@ class VerifyCost:
 
     @property
     def draft_step(self) -> float:
-        t1 = self._t1()
+        t1 = self._t1(self.times.points()) if self.times is not None else None
         if len(self.draft_times) < self.min_samples or not t1:
             return self.draft_step_prior
         return statistics.median(self.draft_times) / t1
 
     def frozen(self) -> VerifyCost:
         """The prior alone, learning nothing (for sampled calls: no dependence on timing)."""
-        return VerifyCost(self.prior, self.draft_step_prior, learn=False)
+        return VerifyCost(self.prior, self.draft_step_prior)
 
     @classmethod
-    def for_device(cls, device: torch.device | str | None) -> VerifyCost:
-        """A cost model starting from the priors of ``device``'s kind (``VERIFY_PRIORS``; others: the CPU's).
+    def for_device(cls, device: torch.device | str | None, times: PassTimes | None = None) -> VerifyCost:
+        """A cost starting from the priors of ``device``'s kind (``VERIFY_PRIORS``; others: the CPU's),
+        read from ``times`` once they hold passes.
 
         Per kind, not per dtype: the curves' shape comes from where a pass is bound (memory on a
         GPU; on a CPU the kernels' row handling), which the dtype does not change.
         """
         kind = torch.device(device).type if device is not None else "cpu"
         curve, step = VERIFY_PRIORS.get(kind, VERIFY_PRIORS["cpu"])
-        return cls(curve, step)
+        return cls(curve, step, times)
 
 
 # --- latency: plain decoding's passes in seconds ------------------------------------------------------
@@ -325,55 +353,24 @@ class CostModel:
         return scale + max(rate, 1 / (seen + 1)) * (ratio - scale)  # a running mean, then the EWMA
 
 
-# --- passes by their rows: what the scheduler measured --------------------------------------------------
-
-
-def rows_bucket(rows: int) -> int:
-    """The row count a pass is filed under: itself up to 64, else the power of two at or above it."""
-    return rows if rows <= 64 else 1 << (rows - 1).bit_length()
-
-
-@dataclass
-class RowsCurve:
-    """Seconds of one target pass by its total rows, learned from every pass a pair's scheduler ran,
-    packed ones with all their members' rows (a drafter's own timer sees only its share of a shared
-    pass). Each bucket (``rows_bucket``) keeps its last ``window`` passes; its time is their median;
-    ``PairCost.pass_s`` reads the buckets with ``min_samples`` passes."""
-
-    window: int = 16
-    min_samples: int = 3
-    observed: int = 0  # passes seen
-    _times: dict[int, deque] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        with self._lock:
-            self.observed += 1
-            self._times.setdefault(rows_bucket(rows), deque(maxlen=self.window)).append(seconds)
-
-    def points(self) -> list[tuple[int, float]]:
-        """(bucket, seconds) of the buckets with enough passes, by rows: their medians, fitted
-        non-decreasing (a pass of more rows never costs less; noise says otherwise now and then)."""
-        with self._lock:
-            seen = [(n, list(t)) for n, t in self._times.items() if len(t) >= self.min_samples]
-        return isotonic(sorted((n, statistics.median(t), len(t)) for n, t in seen))
-
-
 # --- the pair's owner of both ---------------------------------------------------------------------------
 
 
 class PairCost:
     """What one pair's target passes cost: ``ModelPair.cost``.
 
-    ``verify`` is the drafting schedule's ``VerifyCost`` (shared by every namespace's greedy calls);
-    ``latency()`` the ``CostModel`` of the current torch thread count. The decoding loop calls
-    ``observe`` after every target pass; ``calibrate`` or ``install`` replace the latency curve.
+    The engine tells it every whole pass it ran (``observe``): its rows and time go to ``times``, the
+    one record of passes by their rows, which prices a pass for the scheduler (``pricer``) and, as
+    ``verify`` (a ``VerifyCost``, shared by every namespace's greedy calls), for the drafting
+    schedule; a pass of one request also teaches ``latency()``, the latency baseline's ``CostModel``
+    of the current torch thread count (which prices plain decoding by its context, a dimension
+    ``times`` does not keep). ``calibrate`` or ``install`` replace the latency curve.
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device_type = torch.device(device).type if device is not None else "cpu"
-        self.verify = VerifyCost.for_device(self.device_type)
-        self.rows = RowsCurve()  # every pass the scheduler ran, by its total rows
+        self.times = PassTimes()  # every whole pass the engine ran, by its rows
+        self.verify = VerifyCost.for_device(self.device_type, self.times)
         self._latency: dict[int, CostModel] = {}
         self._lock = threading.Lock()
 
@@ -395,23 +392,24 @@ class PairCost:
             else:
                 self._latency[threads] = cost
 
-    def observe(self, fed: int, cached: int, seconds: float) -> None:
-        """One target pass the loop ran: ``fed`` rows after ``cached`` ones, in ``seconds``."""
-        self.latency().observe_pass(fed, cached, seconds)
-
-    def observe_rows(self, rows: int, seconds: float) -> None:
-        """One pass the scheduler ran over ``rows`` rows in all (every member's), in ``seconds``."""
-        self.rows.observe(rows, seconds)
+    def observe(self, rows: int, seconds: float, alone: tuple[int, float] | None = None) -> None:
+        """One whole pass the engine ran: ``rows`` new rows over all its requests, its forward and
+        verification in ``seconds``. ``alone``, for a pass of one request: (the positions cached
+        before it, the request's step's seconds, its planning and landing included: what plain
+        decoding's pass costs in this loop, the baseline's measure)."""
+        self.times.observe(rows, seconds)
+        if alone is not None:
+            self.latency().observe_pass(rows, alone[0], alone[1])
 
     def pass_s(self, rows: int, cached: int) -> float:
         """Seconds of one target pass over ``rows`` new rows after ``cached`` ones (``pricer``)."""
         return self.pricer(cached)(rows)
 
     def pricer(self, cached: int) -> Callable[[int], float]:
-        """Seconds of a pass by its rows after ``cached`` positions, the measured curve read once: the
-        rows curve the scheduler measured where it covers the rows; past its ends, its nearest point
-        scaled by the priced curve's shape; with no measured point, the priced curve (``priced_s``)."""
-        points = self.rows.points()
+        """Seconds of a pass by its rows after ``cached`` positions, the measured passes read once:
+        ``times`` where they cover the rows; past their ends, the nearest point scaled by the priced
+        curve's shape; with no measured point, the priced curve (``priced_s``)."""
+        points = self.times.points()
         if not points:
             return lambda rows: self.priced_s(rows, cached)
         low, high = points[0], points[-1]

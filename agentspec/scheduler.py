@@ -333,7 +333,6 @@ class Scheduler:
             self.stats.members += len(fed)
             self.stats.rows += rows
             self.stats.recent.append((len(fed), rows))
-        alone = len(fed) == 1
         judged = []
         for m, s in shares:
             out = outs.get(id(m))
@@ -344,18 +343,19 @@ class Scheduler:
             except Exception as exc:
                 self._fail(m, exc)
         landing = self._read(judged)  # the host read: the pass is done on the device
-        if fed and len(landing) == len(shares):  # no request failed: one whole pass
-            self.cost.observe_rows(rows, time.perf_counter() - begun)
+        seconds, alone = time.perf_counter() - begun, None
         for m, s, read in landing:
             try:
                 step, left = request.land(m, s, read)
             except Exception as exc:
                 self._fail(m, exc)
                 continue
-            if alone and step is not None and step.target_pass:  # a pass of its own, as a solo call's
-                self.cost.observe(step.fed, step.cached, step.seconds)
+            if len(fed) == 1 and step is not None and step.target_pass:  # a pass of its own
+                alone = (step.cached, step.seconds)
             if left:
                 self.remove(m)
+        if fed and len(landing) == len(shares):  # no request failed before its landing: a whole pass
+            self.cost.observe(rows, seconds, alone)
 
     def _read(self, judged: list) -> list:
         """(request, share, its verdict as read) with every request's verdict read in one host read (on

@@ -36,7 +36,6 @@ from agentspec.drafters.prompt_lookup import lookup_prior
 from agentspec.drafters.schedule import (
     Calibration,
     Judged,
-    PassTimer,
     best_length,
     pass_yield,
     survival,
@@ -95,8 +94,6 @@ class HybridDrafter(Drafter):
         self.model = model
         self.feature_layers = model.feature_layers if model is not None else ()
         self.context_rows = model.context_rows if model is not None else 0
-        # with a draft model, on its device's clock; a model-free pass ends in its one host read anyway
-        self.timer = PassTimer(model.device if model is not None else None)
         self._begin_call()
 
     def _begin_call(self) -> None:
@@ -147,17 +144,14 @@ class HybridDrafter(Drafter):
         if suffix.tokens and y_suffix >= self.model_yield(k):
             draft, self.choice, self._judged = suffix, "suffix", judged
         elif self.model is not None:
-            draft = yield from self.model.draft(seq, k, config, generator, constraint)
+            draft = yield from self.model.propose_steps(seq, k, config, generator, constraint)
             self.choice = "model" if len(draft.tokens) else "none"
         else:
             draft, self.choice = Draft([]), "none"
         draft.source = self.choice
-        self.timer.proposed()
         return draft
 
     def feedback(self, seq, n_accepted, n_drafted) -> None:
-        if self.cost is not None:
-            self.timer.verified(self.cost, n_drafted)
         if self.choice == "suffix":
             self._judged.observe(n_accepted, n_drafted)
         elif self.choice == "model":
@@ -176,7 +170,6 @@ class HybridDrafter(Drafter):
 
     def reset(self) -> None:
         self.suffix.reset()
-        self.timer.reset()
         self._begin_call()
         if self.model is not None:
             self.model.reset()

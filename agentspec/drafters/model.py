@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from agentspec.config import GenerationConfig
 from agentspec.drafters.base import Draft, Drafter
 from agentspec.drafters.eagle import EagleForward, EagleState, is_feature_head
-from agentspec.drafters.schedule import ConfidenceSchedule, PassTimer
+from agentspec.drafters.schedule import ConfidenceSchedule, DraftStepTimer
 from agentspec.forward import Forward
 from agentspec.grammar import Constraint, apply_bitmask
 from agentspec.kv import ModelState, PassIds, common_prefix_len
@@ -82,7 +82,7 @@ class ModelDrafter(Drafter):
         if schedule is not None:
             self.draft_cap = 16
         self.device = model.device  # where it drafts
-        self.timer = PassTimer(self.device)  # times passes and draft steps for the schedule's cost model
+        self.timer = DraftStepTimer(self.device)  # times its steps for the schedule's cost model
         self.verified = 0  # leading ids of the state known to match this call's verified sequence
         self._fed_at: int | None = None  # position of the last draft's first token, fed unread
         if name is not None:
@@ -97,14 +97,6 @@ class ModelDrafter(Drafter):
     def propose_steps(
         self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None = None
     ) -> Steps[Draft]:
-        draft = yield from self.draft(seq, k, config, generator, constraint)
-        self.timer.proposed()
-        return draft
-
-    def draft(
-        self, seq, k, config: GenerationConfig, generator, constraint: Constraint | None
-    ) -> Steps[Draft]:
-        """``propose_steps`` without timing the pass (for a drafter that holds this one and times its own)."""
         self._fed_at = None
         if k <= 0:
             return Draft([])
@@ -142,7 +134,7 @@ class ModelDrafter(Drafter):
         if not len(rows):
             return None
         if self.schedule is not None and len(new) == 1:
-            self.timer.draft_step(self.schedule.cost, start)
+            self.timer.step(self.schedule.cost, start)
         return fit_vocab(rows[-1], self.vocab_size)  # [V]
 
     def _draft_on_device(
@@ -292,7 +284,6 @@ class ModelDrafter(Drafter):
         # the next propose() syncs the cache to the verified sequence; the schedule learns
         self.settle(seq, n_accepted)
         if self.schedule is not None and self.schedule.cost is not None:
-            self.timer.verified(self.schedule.cost, n_drafted)
             self.schedule.observe(n_accepted, n_drafted)
             self.keep_up(seq)
 

@@ -17,9 +17,10 @@ confidences of the positions before it (a function of the output prefix, not of 
 only a deterministic draft is cut after the fact (``trim``).
 
 The schedule reads the pair's ``agentspec.cost.VerifyCost`` (``V(n)`` and the draft step's share,
-from its device kind's prior until the pair's own passes are timed, on the device's clock by
-``PassTimer`` here; no separate calibration run). Sampled calls use a frozen copy of the prior and
-fresh calibrations, so a seeded call never depends on timing or on earlier calls.
+from its device kind's prior until the pair's own passes are timed: the target's by the engine, a
+draft model's steps on the device's clock by ``DraftStepTimer`` here; no separate calibration run).
+Sampled calls use a frozen copy of the prior and fresh calibrations, so a seeded call never depends
+on timing or on earlier calls.
 
 Pure functions first, then the stateful pieces: ``Calibration``, ``ConfidenceSchedule``, the timers.
 """
@@ -361,47 +362,25 @@ class DeviceClock:
         return start.elapsed_time(end) / 1000.0
 
 
-class PassTimer:
-    """Times verify passes from a drafter's side, from the end of ``propose`` to ``feedback``, and a
-    draft model's one-token steps, on the device's clock (``DeviceClock``).
-
-    The first pass of a call also prefills the prompt's uncached part, so it is not timed. On a GPU
-    an interval is read once the device has run it (a pass or two later), never waited for.
-    """
+class DraftStepTimer:
+    """Times a draft model's one-token steps on the device's clock (``DeviceClock``), for the draft
+    step's share of the schedule's cost (``VerifyCost.observe_draft``; the target's passes are timed
+    by the engine, ``PairCost.observe``). On a GPU a step is read once the device has run it (a pass
+    or two later), never waited for."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.clock = DeviceClock(device)
         self.reset()
 
     def reset(self) -> None:
-        self._t: float | torch.cuda.Event | None = None
-        self._passes = 0
-        self._pending: deque = deque()  # (verified tokens or None for a draft step, start, end)
+        self._pending: deque = deque()  # (start, end) marks of steps not read yet
 
-    def proposed(self) -> None:
-        self._t = self.clock.mark()
-
-    def verified(self, cost: VerifyCost, n_drafted: int) -> None:
-        if self._t is not None and self._passes > 0:
-            self._pending.append((n_drafted + 1, self._t, self.clock.mark()))
-        self._passes += 1
-        self._t = None
-        self._read(cost)
-
-    def draft_step(self, cost: VerifyCost, start: float | torch.cuda.Event) -> None:
+    def step(self, cost: VerifyCost, start: float | torch.cuda.Event) -> None:
         """One draft-model step ran from ``start`` (a ``clock.mark()``) to now."""
-        self._pending.append((None, start, self.clock.mark()))
-        self._read(cost)
-
-    def _read(self, cost: VerifyCost) -> None:
-        """Hand ``cost`` the intervals that have run, in order."""
-        while self._pending:
-            n, start, end = self._pending[0]
-            seconds = self.clock.seconds(start, end)
+        self._pending.append((start, self.clock.mark()))
+        while self._pending:  # hand ``cost`` the steps that have run, in order
+            seconds = self.clock.seconds(*self._pending[0])
             if seconds is None:
                 return
             self._pending.popleft()
-            if n is None:
-                cost.observe_draft(seconds)
-            else:
-                cost.observe_pass(n, seconds)
+            cost.observe_draft(seconds)

@@ -21,7 +21,7 @@ import agentspec
 from agentspec import Draft, ModelPair
 from agentspec import grammar as G
 from agentspec.cache import PrefixCache
-from agentspec.cost import DEFAULT_VERIFY_COST, VerifyCost, isotonic
+from agentspec.cost import DEFAULT_VERIFY_COST, PassTimes, VerifyCost, isotonic
 from agentspec.decode import DEFAULT_DRAFT_CAP
 from agentspec.drafters import (
     Calibration,
@@ -140,7 +140,7 @@ def test_the_store_drafts_from_earlier_outputs():
 
 
 def curve(points):
-    return VerifyCost(prior=points, learn=False).verify
+    return VerifyCost(prior=points).verify
 
 
 def test_survival_and_best_length():
@@ -222,13 +222,14 @@ def test_isotonic_pools_violators():
 
 
 def test_the_cost_model_learns_the_curve_from_timed_passes():
-    cost = VerifyCost()
+    times = PassTimes()
+    cost = VerifyCost(times=times)
     assert cost.verify(2) == pytest.approx(1.64) and cost.verify(1) == 1.0  # the prior
     for _ in range(5):
-        cost.observe_pass(1, 0.100)
-        cost.observe_pass(3, 0.120)
-        cost.observe_pass(5, 0.110)  # noisy: faster than 3
-    cost.observe_pass(1, 5.0)  # one pass delayed by another process: the median ignores it
+        times.observe(1, 0.100)
+        times.observe(3, 0.120)
+        times.observe(5, 0.110)  # noisy: faster than 3
+    times.observe(1, 5.0)  # one pass delayed by another process: the median ignores it
     assert cost.verify(3) == cost.verify(5) == pytest.approx(1.15)  # fitted non-decreasing
     assert cost.verify(2) == pytest.approx(1.075)  # interpolated
     assert cost.verify(16) == pytest.approx(
@@ -238,7 +239,7 @@ def test_the_cost_model_learns_the_curve_from_timed_passes():
         cost.observe_draft(0.025)
     assert cost.draft_step == pytest.approx(0.25)
     frozen = cost.frozen()
-    frozen.observe_pass(2, 1.0)
+    frozen.observe_draft(1.0)
     assert frozen.verify(2) == pytest.approx(1.64) and frozen.draft_step == 0.1
 
 
@@ -300,7 +301,7 @@ def test_stats_split_passes_by_draft_source():
 
 def flat_memory() -> DraftMemory:
     """Drafting memory with a fixed cost model: verification free, a draft step 1/10 of a target step."""
-    return DraftMemory(cost=VerifyCost(prior=FLAT, draft_step_prior=0.1, learn=False))
+    return DraftMemory(cost=VerifyCost(prior=FLAT, draft_step_prior=0.1))
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +436,7 @@ def test_earlier_outputs_are_drafted_from(pair, cases):
 
 def test_the_schedule_drafts_little_with_a_bad_draft(target, tokenizer, tiny_llama, cases):
     bad = ModelPair(target=target, draft=tiny_llama(11), tokenizer=tokenizer, name="tiny-bad")
-    cpu = DraftMemory(cost=VerifyCost(draft_step_prior=0.1, learn=False))  # the CPU curve
+    cpu = DraftMemory(cost=VerifyCost(draft_step_prior=0.1))  # the CPU curve
     fixed = run_cases(bad, cases, lambda: ModelDrafter(bad.draft, VOCAB), 4)
     sched = run_cases(bad, cases, lambda: build_drafter(bad, "model_scheduled", cpu), 4)
     assert fixed.draft_tokens > 3 * fixed.verify_steps  # 4 per pass but where the budget ends

@@ -34,7 +34,7 @@ def test_a_pass_is_priced_by_its_rows():
     from agentspec.cost import MIN_PREFILL_SAMPLE, PairCost, VerifyCost
 
     cost = PairCost("cpu")
-    cost.verify = VerifyCost(prior=((1, 1.0), (4, 2.0), (16, 3.0)), learn=False)
+    cost.verify = VerifyCost(prior=((1, 1.0), (4, 2.0), (16, 3.0)))
     curve = CostModel(p0=0.1, p1=0.01, p2=1e-5, d0=0.05, d1=0.001)
     cost.install(curve)
     assert cost.pass_s(1, 100) == pytest.approx(curve.decode_s(100))

@@ -1,4 +1,4 @@
-"""The schedule's priors per device kind, pass timings read on the device's clock without waiting, and
+"""The schedule's priors per device kind, draft steps timed on the device's clock without waiting, and
 the pair's passes by their rows."""
 
 import time
@@ -12,11 +12,11 @@ from agentspec.cost import (
     DEFAULT_DRAFT_STEP,
     DEFAULT_VERIFY_COST,
     PairCost,
-    RowsCurve,
+    PassTimes,
     VerifyCost,
     rows_bucket,
 )
-from agentspec.drafters.schedule import DeviceClock, PassTimer
+from agentspec.drafters.schedule import DeviceClock, DraftStepTimer
 
 
 def test_priors_follow_the_device_kind():
@@ -27,18 +27,14 @@ def test_priors_follow_the_device_kind():
     assert cuda.verify(5) == 1.0 and cpu.verify(2) > 1.5
     # a sampled call's frozen copy keeps its device's prior, learning nothing
     frozen = cuda.frozen()
-    frozen.observe_pass(2, 1.0)
+    frozen.observe_draft(1.0)
     assert frozen.curve() == CUDA_VERIFY_COST and frozen.draft_step == CUDA_DRAFT_STEP
 
 
-def test_cpu_timer_hands_over_passes_after_the_first_and_draft_steps():
-    cost, timer = VerifyCost(min_samples=1), PassTimer("cpu")
-    for drafted in (3, 3, 1):
-        timer.proposed()
-        timer.verified(cost, drafted)
-    assert sorted(cost.times) == [2, 4] and len(cost.times[4]) == 1  # the first pass (a prefill) is not timed
+def test_a_cpu_timer_hands_over_each_draft_step():
+    cost, timer = VerifyCost(times=PassTimes()), DraftStepTimer("cpu")
     start = timer.clock.mark() - 1.0  # a draft step begun a second ago (a CPU mark is perf_counter's)
-    timer.draft_step(cost, start)
+    timer.step(cost, start)
     assert len(cost.draft_times) == 1 and 1.0 <= cost.draft_times[0] <= time.perf_counter() - start
 
 
@@ -54,18 +50,16 @@ class _Queued(DeviceClock):
 
 
 def test_timings_wait_for_the_device_and_keep_their_order():
-    cost, timer = VerifyCost(min_samples=1), PassTimer()
+    cost, timer = VerifyCost(times=PassTimes()), DraftStepTimer()
     timer.clock = _Queued()
-    timer.proposed()
-    timer.verified(cost, 2)  # the first pass: untimed
-    timer.proposed()
-    timer.verified(cost, 2)
-    timer.draft_step(cost, timer.clock.mark())
-    assert not cost.times and not cost.draft_times  # nothing read before the device ran it
+    first = timer.clock.mark()
+    timer.step(cost, first)
+    timer.step(cost, timer.clock.mark())
+    assert not cost.draft_times  # nothing read before the device ran it
     timer.clock.ran = True
-    timer.proposed()
-    timer.verified(cost, 1)
-    assert sorted(cost.times) == [2, 3] and len(cost.draft_times) == 1
+    third = timer.clock.mark()
+    timer.step(cost, third)
+    assert len(cost.draft_times) == 3 and cost.draft_times[0] >= cost.draft_times[2]  # in order
 
 
 def test_a_pairs_verify_cost_starts_from_its_device_priors_and_is_shared_by_its_namespaces(target, tokenizer):
@@ -80,7 +74,7 @@ def test_a_pairs_verify_cost_starts_from_its_device_priors_and_is_shared_by_its_
 
 
 def test_a_pairs_pass_time_by_rows_is_measured_where_seen_and_shaped_by_its_prior_beyond():
-    curve = RowsCurve(min_samples=2)
+    curve = PassTimes(min_samples=2)
     for seconds in (1.0, 3.0, 2.0):  # one slow pass among them: the median holds
         curve.observe(1, seconds / 100)
     curve.observe(8, 0.05)
@@ -97,7 +91,11 @@ def test_a_pairs_pass_time_by_rows_is_measured_where_seen_and_shaped_by_its_prio
     priced = [cost.pass_s(n, 0) for n in (1, 4, 8)]
     assert priced == [cost.priced_s(n, 0) for n in (1, 4, 8)]  # nothing measured yet
     for _ in range(3):
-        cost.observe_rows(1, 0.01)
-        cost.observe_rows(4, 0.02)
+        cost.observe(1, 0.01)
+        cost.observe(4, 0.02)
     assert cost.pass_s(2, 0) == pytest.approx(0.01 + 0.01 / 3)  # between measured row counts
     assert cost.pass_s(8, 0) == pytest.approx(0.02 * priced[2] / priced[1])  # beyond: the prior's shape
+    assert cost.verify.verify(4) == pytest.approx(2.0)  # the drafting schedule reads the same passes
+    assert cost.latency().decode_passes == 0  # passes of several requests: no context to price by
+    cost.observe(1, 0.01, alone=(100, 0.012))  # a request's pass of its own: its step's time
+    assert cost.latency().decode_passes == 1 and cost.times.observed == 7

@@ -74,7 +74,7 @@ def test_concurrent_greedy_calls_equal_their_solo_decoding_in_shared_passes(bpai
     drafters = ["model", "prompt_lookup", "none", "suffix", "auto"]
     chosen = cases[:k]
     s = bpair.scheduler.stats
-    passes0, members0, timed0 = s.passes, s.members, bpair.cost.rows.observed
+    passes0, members0, timed0 = s.passes, s.members, bpair.cost.times.observed
     forwards = []
     # every forward of the target, lean or transformers', embeds its rows once
     hook = bpair.target.get_input_embeddings().register_forward_hook(lambda *_: forwards.append(1))
@@ -96,7 +96,7 @@ def test_concurrent_greedy_calls_equal_their_solo_decoding_in_shared_passes(bpai
     # one target forward per pass, and the passes were shared
     assert len(forwards) == s.passes - passes0
     assert s.members - members0 > s.passes - passes0
-    assert bpair.cost.rows.observed - timed0 == s.passes - passes0  # each pass timed with all its rows
+    assert bpair.cost.times.observed - timed0 == s.passes - passes0  # each pass timed with all its rows
 
 
 def test_a_call_joining_and_one_leaving_mid_decode_change_nothing(bpair, cases, hf_greedy):
