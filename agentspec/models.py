@@ -518,6 +518,6 @@ def load_pair(
     )
     if pair.dtype == torch.float32:
         pin_float32()  # token identity holds only where k-row and 1-row passes round alike
-    if warm_up:
-        log.info("warmed up %s in %.2f s", name, warm.warm_up(pair))
+    if warm_up:  # a task of the engine, in its thread, as every pass of the pair
+        log.info("warmed up %s in %.2f s", name, pair.scheduler.call(lambda: warm.warm_up(pair)))
     return pair

@@ -5,13 +5,14 @@ and the activations, oneDNN and MKL pick (and on a CPU JIT-compile) their kernel
 (weight, rows) shape, and lazily imported code is imported. Measured by ``python -m benchmarks vllm
 --part first_call`` (the first call against a later one, and the warm-up's share of the load).
 
-``warm_up`` runs at load (``load_pair``) the kinds of pass a call runs: a few rows with their logits
-(a prefill's and a verify pass's shapes) and a one-row step through the target, with the features an
-EAGLE head reads, and the draft's own steps. Each runs in a throwaway state outside the pair's
-scheduler, so nothing a call sees (the prefix cache, the drafters' memory, the pair's cost model and
-pass counts) changes. The grammar compiler's vocabulary, the slowest part of a first constrained call,
-is read in a thread of its own (a constrained call waits for it; so does the interpreter at exit:
-xgrammar aborts the process when torn down mid-read), so it adds nothing to the load time.
+``warm_up`` runs at load (``load_pair``), as a task of the pair's engine in its thread, the kinds of
+pass a call runs: a few rows with their logits (a prefill's and a verify pass's shapes) and a one-row
+step through the target, with the features an EAGLE head reads, and the draft's own steps. Each runs
+in a throwaway state outside the engine's passes, so nothing a call sees (the prefix cache, the
+drafters' memory, the pair's cost model and pass counts) changes. The grammar compiler's vocabulary,
+the slowest part of a first constrained call, is read in a thread of its own (a constrained call
+waits for it; so does the interpreter at exit: xgrammar aborts the process when torn down mid-read),
+so it adds nothing to the load time.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import torch
 from agentspec.drafters.block import BlockHead, BlockState
 from agentspec.drafters.eagle import EagleState, is_feature_head
 from agentspec.kv import ModelState
-from agentspec.threads import release_pool
 
 # The passes run at load: PREFILL_ROWS tokens with a logits row each (a prefill's shapes, and a verify
 # pass's few-row LM head), then one of each VERIFY_ROWS size (a plain decode step). Few passes: what a
@@ -50,7 +50,6 @@ def warm_up(pair: Any) -> float:
         elif pair.draft is not None:
             _target_passes(pair.draft_forward, ids, ())
     threading.Thread(target=pair.grammar_compiler.prepare, name="agentspec-grammar").start()
-    release_pool()  # calls pass in the scheduler's thread (agentspec.threads)
     return time.perf_counter() - start
 
 
