@@ -58,7 +58,9 @@ class Recorder:
             return
         code = frame.f_code
         name = code.co_qualname
-        if not code.co_filename.startswith(self.root) or name.startswith("<") or ".<lambda>" in name:
+        # "<module>", "<lambda>", and comprehensions' own frames ("<listcomp>", "<genexpr>": functions
+        # of their own before Python 3.12 inlined them) are not named functions
+        if not code.co_filename.startswith(self.root) or name.rpartition(".")[2].startswith("<"):
             return
         path = code.co_filename[len(self.root) :]
         if not path.startswith(SOURCES):  # the repository's packages, not a virtual environment inside it
