@@ -197,7 +197,7 @@ def test_incremental_text_is_the_tokenizers_decode(pair):
 @pytest.fixture(scope="module", params=["eagle3", "dspark"])
 def head_folder(request, pair, tmp_path_factory):
     """A head in the speculators format for the real target (random weights: it drafts, seldom right)."""
-    from agentspec.head_folder import new_block_head, new_eagle3, save_head
+    from heads import new_block_head, new_eagle3, save_head
 
     torch.manual_seed(0)
     target, layers = pair.target, [2, 15, 27]  # speculators' default ids for a 30-layer target

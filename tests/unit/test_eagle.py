@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from heads import new_block_head, new_eagle3
 
 import agentspec
 from agentspec import ModelPair
@@ -19,7 +20,6 @@ from agentspec.distill.student import build_eagle
 from agentspec.drafters import ModelDrafter
 from agentspec.drafters.block import BlockState
 from agentspec.drafters.eagle import EagleState, is_eagle
-from agentspec.head_folder import new_block_head, new_eagle3
 from agentspec.lean import LeanForward
 from agentspec.packed import DraftRound
 from agentspec.steps import Steps, run_alone

@@ -95,7 +95,7 @@ def test_greedy_constrained_equals_plain_constrained(gpair, drafter, jump_forwar
 def test_greedy_constrained_with_a_speculators_head(gpair, source, kind):
     """Heads in the speculators format (two layers' features; EAGLE-3 over a draft vocabulary) drafting
     under the grammar: EAGLE-3 under its mask, the block heads fit to it by the loop."""
-    from agentspec.head_folder import new_block_head, new_eagle3
+    from heads import new_block_head, new_eagle3
 
     torch.manual_seed(5)
     if kind == "eagle3":

@@ -13,19 +13,13 @@ import threading
 
 import pytest
 import torch
+from heads import new_block_head, new_eagle3, save_head
 from safetensors.torch import load_file, save_file
 
 import agentspec
 from agentspec import ModelPair
 from agentspec.cache import PrefixCache
-from agentspec.head_folder import (
-    HeadFolderError,
-    is_head_folder,
-    load_head,
-    new_block_head,
-    new_eagle3,
-    save_head,
-)
+from agentspec.head_folder import HeadFolderError, is_head_folder, load_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64

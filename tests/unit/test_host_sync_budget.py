@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from heads import new_block_head, new_eagle3
 
 import agentspec
 from agentspec import Draft, ModelPair
@@ -21,7 +22,6 @@ from agentspec.cache import PrefixCache
 from agentspec.distill.student import build_eagle
 from agentspec.drafters import Drafter
 from agentspec.drafters.prompt_lookup import NgramIndex, lookup
-from agentspec.head_folder import new_block_head, new_eagle3
 from agentspec.kv import ModelState, PassIds
 
 pytestmark = pytest.mark.usefixtures("one_thread")

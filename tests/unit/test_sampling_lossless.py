@@ -62,7 +62,7 @@ def head_pairs(spair) -> dict[str, ModelPair]:
     """The same target with heads in the speculators format (untrained): an EAGLE-3 head over 10 of
     its 16 ids (q = 0 outside them), a DFlash head and a DSpark head (its Markov bias on the token it
     drew before: each slot's q depends on the draws before it)."""
-    from agentspec.head_folder import new_block_head, new_eagle3
+    from heads import new_block_head, new_eagle3
 
     torch.manual_seed(3)
     vocab = torch.tensor([0, 1, 2, 3, 5, 7, 9, 11, 12, 15])
