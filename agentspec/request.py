@@ -49,6 +49,7 @@ from agentspec.verify import greedy_accept, speculative_accept
 log = logging.getLogger(__name__)
 
 LOOKAHEAD = 4  # Steps a request may run ahead of its caller before it sits out passes
+CONFIDENCE_SCALE = 1 << 20  # a draft's confidences are read as integers, in these steps of [0, 1]
 
 
 class DecodeTimeout(TimeoutError):
@@ -190,7 +191,15 @@ def check_draft(draft: Draft, k: int, vocab: int) -> Draft:
             raise ValueError(f"draft q has shape {tuple(q.shape)}, expected {(len(tokens), vocab)}")
     est = draft.survival  # estimates that do not cover the draft are not used
     est = est[: len(tokens)] if est is not None and len(est) >= len(tokens) else None
-    return Draft(tokens, q, draft.source, est)
+    confidence = draft.confidence
+    if confidence is not None:
+        confidence = confidence[: len(tokens)]
+        if tuple(confidence.shape) != (len(tokens),) or not confidence.is_floating_point():
+            shape = list(confidence.shape)
+            raise ValueError(
+                f"draft confidence: expected a [{len(tokens)}] float tensor, got {confidence.dtype} {shape}"
+            )
+    return Draft(tokens, q, draft.source, est, confidence)
 
 
 def _check_ids(tokens: list[int], vocab: int) -> None:
@@ -264,33 +273,40 @@ def _propose(req: Request, seq: list[int], k: int) -> Steps[Draft]:
         return Draft([])
 
 
-def _draft(req: Request, forced: list[int], k: int, finished: bool, cap: int | None = None) -> Steps[tuple]:
+def _draft(
+    req: Request, forced: list[int], k: int, finished: bool, cap: int | None = None
+) -> Steps[tuple[Draft, int]]:
     """The pass's draft after ``forced``: the text the grammar forces, then the drafter's guess, fit
-    to the grammar. Returns (tokens: host ids, or a [k] tensor still on the device; q [len(tokens),
-    V] or None; jump-forward tokens leading; source; each token's estimated acceptance given those
-    before it, or None: none, or a grammar shaped the draft)."""
+    to the grammar; and how many of its tokens lead as the grammar's jump-forward. The draft's tokens
+    are host ids, or a [k] tensor still on the device; its ``survival`` and ``confidence`` are the
+    drafter's where no grammar shaped the draft (else None); its source None where it has no token."""
     c = req.constraint
     tokens = c.push_jump_forward(min(JUMP_FORWARD_LIMIT, k)) if req.jump else []
     n_jump = len(tokens)
     k_draft = min(req.draft_cap if cap is None else min(cap, req.draft_cap), k - n_jump)
-    q, source, acceptance = None, None, None
+    out = Draft(tokens)
     if req.drafter is not None and k_draft > 0 and not finished:
         seq = req.seq + forced + tokens if forced or tokens else req.seq  # no copy per pass if none
         draft = yield from _propose(req, seq, k_draft)
-        source = draft.source
-        acceptance = draft.survival if c is None else None
-        drafted = draft.tokens
-        if c is not None and isinstance(drafted, torch.Tensor):  # the grammar fits a draft on the host
-            drafted = drafted.tolist()
-        if draft.q is not None:  # jump-forward tokens are certain proposals: one-hot q
-            jumped = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), req.vocab)
-            q = torch.cat([jumped.to(draft.q), draft.q]) if tokens else draft.q
-        tokens = drafted if not tokens else tokens + drafted  # no jump-forward without a grammar
+        out.source = draft.source
+        if c is None:  # no grammar: no jump-forward either, the drafter's draft as it gave it
+            out.tokens, out.q, out.survival, out.confidence = (
+                draft.tokens,
+                draft.q,
+                draft.survival,
+                draft.confidence,
+            )
+        else:  # the grammar fits a draft on the host
+            drafted = draft.tokens.tolist() if isinstance(draft.tokens, torch.Tensor) else draft.tokens
+            if draft.q is not None:  # jump-forward tokens are certain proposals: one-hot q
+                jumped = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), req.vocab)
+                out.q = torch.cat([jumped.to(draft.q), draft.q]) if tokens else draft.q
+            out.tokens = tokens + drafted
     if c is not None:
-        tokens = tokens[: _fit_to_grammar(c, tokens, n_jump, q is not None)]
-    if len(tokens) == n_jump:  # no drafter guess survived: only grammar-forced tokens, or nothing
-        source = "jump_forward" if n_jump else None
-    return tokens, q, n_jump, source, acceptance
+        out.tokens = out.tokens[: _fit_to_grammar(c, out.tokens, n_jump, out.q is not None)]
+    if len(out.tokens) == n_jump:  # no drafter guess survived: only grammar-forced tokens, or nothing
+        out.source = "jump_forward" if n_jump else None
+    return out, n_jump
 
 
 def _guard(d: torch.Tensor, q: torch.Tensor | None, vocab: int, on_device: bool):
@@ -338,6 +354,7 @@ class Share:
     # where a scheduler may verify a prefix of the draft only (a greedy or seeded call's, drafted
     # without a grammar); None: the draft is verified whole
     acceptance: list[float] | torch.Tensor | None = None
+    confidence: torch.Tensor | None = None  # ``Draft.confidence``: read with the verdict, for the drafter
 
     @property
     def keep(self) -> int:
@@ -361,6 +378,7 @@ class Share:
         draft: the output is the same)."""
         self.tokens = self.tokens[:n]
         self.acceptance = self.acceptance[:n]
+        self.confidence = self.confidence[:n] if self.confidence is not None else None
         self.feed = PassIds(self.feed.host, self.feed.device[:n])
 
 
@@ -389,12 +407,11 @@ def _plan(req: Request, cap: int | None = None) -> Steps[Share]:
     # never draft past the token budget or the context window
     cap = cap if req.config.greedy or req.key is not None else None
     cap = _invariant_cap(req, len(pending) + len(forced), cap)
-    tokens, q, n_jump, source, acceptance = yield from _draft(
-        req, forced, room - len(forced) - 1, finished, cap
-    )
+    draft, n_jump = yield from _draft(req, forced, room - len(forced) - 1, finished, cap)
+    tokens, q = draft.tokens, draft.q
     verified = not (forced and (len(forced) == room or finished))  # else the grammar alone finishes
     scored = req.config.logprobs is not None
-    p = Share(t0, at, pending, forced, tokens, n_jump, source, verified, scored=scored)
+    p = Share(t0, at, pending, forced, tokens, n_jump, draft.source, verified, scored=scored)
     if not verified and p.scored:  # the forced tokens' rows come from a pass that feeds them
         p.feed = PassIds(pending + forced[:-1])
     if verified:
@@ -405,8 +422,9 @@ def _plan(req: Request, cap: int | None = None) -> Steps[Share]:
         d, p.q, p.bad = _guard(d, q, req.vocab, on_device)
         p.feed = PassIds(pending + forced, d)
         p.tap = req.drafter.feature_layers if req.drafter is not None else ()
-        if acceptance is not None and len(tokens) and not sampled:
-            p.acceptance = acceptance
+        if draft.survival is not None and len(tokens) and not sampled:
+            p.acceptance = draft.survival
+        p.confidence = draft.confidence if len(tokens) else None
     return p
 
 
@@ -439,8 +457,8 @@ def _judge(req: Request, p: Share, out) -> tuple[Verdict, torch.Tensor | None]:
 
 
 def _verdict(req: Request, p: Share, logits: torch.Tensor) -> Verdict:
-    """``_judge`` for a verified pass: [n, token, (the draft was bad), (the draft's ids)], and the
-    emitted tokens' scores where asked for."""
+    """``_judge`` for a verified pass: [n, token, (the draft was bad), (the draft's ids), (its
+    confidences, scaled to integers)], and the emitted tokens' scores where asked for."""
     c, config = req.constraint, req.config
     k, d, on_device = len(p.tokens), p.feed.device, isinstance(p.tokens, torch.Tensor)
     raw = lp.log_softmax(logits) if p.scored else None  # before any mask: the raw log-probabilities
@@ -460,6 +478,8 @@ def _verdict(req: Request, p: Share, logits: torch.Tensor) -> Verdict:
         parts.append(p.bad.long().reshape(1).to(result.device))
     if on_device:
         parts.append(d.to(result.device))
+    if p.confidence is not None:  # read with the rest as integers: a calibration's bins need no more
+        parts.append((p.confidence.float().clamp(0, 1) * CONFIDENCE_SCALE).round().long().to(result.device))
     scores = None
     if raw is not None:
         tokens = lp.emitted(to_device(p.forced, raw.device), d, result)
@@ -473,11 +493,19 @@ def _accept(
     """Take the verdict's values as read (``Verdict.values``): returns (draft tokens accepted, the
     token drawn after them, the accepted draft tokens); the target is rolled back to the verified
     tokens, and the constraint commits them."""
-    target, c = req.target, req.constraint
+    target, c, k = req.target, req.constraint, len(p.tokens)
     n, token = read[0], read[1]
     flagged = p.bad is not None and bool(read[2])
-    accepted = read[2 + (p.bad is not None) :][:n] if isinstance(p.tokens, torch.Tensor) else p.tokens[:n]
+    at = 2 + (p.bad is not None)  # where the draft's ids begin, if they were read
+    on_device = isinstance(p.tokens, torch.Tensor)
+    accepted = read[at : at + n] if on_device else p.tokens[:n]
     assert 0 <= token < req.vocab, f"{token=} {req.vocab=}"
+    if p.confidence is not None and req.drafter is not None:
+        at += k if on_device else 0
+        try:
+            req.drafter.observe_confidences([v / CONFIDENCE_SCALE for v in read[at : at + k]])
+        except Exception as exc:
+            req.drop(exc)
     target.settle(accepted)  # roll back the rejected draft tokens
     if hidden is not None:  # the verified positions' features
         try:

@@ -38,6 +38,10 @@ class Draft:
     # floats (a calibration's), or a [len(tokens)] tensor on the drafter's device (a DSpark head's
     # confidence head, read only where a scheduler needs it); None where the drafter has no estimate
     survival: list[float] | torch.Tensor | None = None
+    # values the drafter reads back after verification without a read of its own: a [len(tokens)]
+    # float tensor in [0, 1] on the device (a scheduled draft model's confidences), read with the
+    # verification's result and handed to ``Drafter.observe_confidences`` before ``feedback``
+    confidence: torch.Tensor | None = None
 
 
 class Drafter:
@@ -109,6 +113,10 @@ class Drafter:
 
     def reset(self) -> None:
         """Drop any per-request state (called at the start of a call, and after a failure)."""
+
+    def observe_confidences(self, confidences: list[float]) -> None:
+        """The last draft's ``Draft.confidence`` on the host (of its verified tokens), read with the
+        verification's result; called before ``feedback``."""
 
     def observe_features(self, position: int, features: torch.Tensor) -> None:
         """The target's ``feature_layers`` side by side [n, k x H] at the verified positions

@@ -174,6 +174,9 @@ class HybridDrafter(Drafter):
         if self.model is not None:
             self.model.reset()
 
+    def observe_confidences(self, confidences: list[float]) -> None:
+        self.model.observe_confidences(confidences)  # only a model draft carries confidences
+
     def observe_features(self, position: int, features: torch.Tensor) -> None:
         self.model.observe_features(position, features)  # called only with feature_layers: a model
 

@@ -14,9 +14,12 @@ drawn: the length of a sampled draft never depends on the token sampled last (se
 Host syncs: without a grammar the tokens stay on the device (the argmax, or the sample, fed back as
 the next input), the draft's positions in its cache are ``unread`` until ``settle`` names the
 accepted ones from the verified sequence, and the verification reads the tokens with its result.
-A greedy schedule reads the confidences once per block of DEVICE_BLOCK tokens and replays its
-token-by-token decisions over them; a sampled schedule still reads each confidence before each
-draw (not the token), so the generator's calls (and a seeded output) are the same as ever.
+A greedy schedule on a CPU (``early_stop``) reads the confidences once per block of DEVICE_BLOCK
+tokens and replays its token-by-token decisions over them; elsewhere, where a read stalls the
+device's queue, it decides the length before drafting from what its calibration expects
+(``ConfidenceSchedule.planned``) and the confidences come back with the verification's one read
+(``Draft.confidence``), to teach the calibration. A sampled schedule still reads each confidence
+before each draw (not the token), so the generator's calls (and a seeded output) are the same as ever.
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ class ModelDrafter(Drafter):
             self.draft_cap = 16
         self.device = model.device  # where it drafts
         self.timer = DraftStepTimer(self.device)  # times its steps for the schedule's cost model
+        # a greedy schedule stops a draft early on its confidences, read as it drafts: where a read
+        # costs nothing (a CPU); elsewhere its length is planned and they come back with the verdict
+        self.early_stop = self.device.type == "cpu"
         self.verified = 0  # leading ids of the state known to match this call's verified sequence
         self._fed_at: int | None = None  # position of the last draft's first token, fed unread
         if name is not None:
@@ -101,10 +107,14 @@ class ModelDrafter(Drafter):
         if k <= 0:
             return Draft([])
         sched = self.schedule
+        planned = sched is not None and config.greedy and constraint is None and not self.early_stop
         if sched is not None:
             if sched.calibration is None:
                 sched.begin(config.greedy)
             if not sched.start(k):
+                return Draft([])
+            k = sched.planned(k) if planned else k
+            if not k:
                 return Draft([])
         start = min(self.verified, len(self.state.ids))
         pending = self.state.sync(seq, start, len(seq) - 1) + seq[-1:]
@@ -113,7 +123,7 @@ class ModelDrafter(Drafter):
         if constraint is not None:
             draft = yield from self._draft_on_host(pending, k, config, generator, constraint)
         else:
-            draft = yield from self._draft_on_device(pending, k, config, generator)
+            draft = yield from self._draft_on_device(pending, k, config, generator, planned)
             self._fed_at = len(seq)  # the draft's position in the state: its first unread one
         if sched is not None:
             # a deterministic draft may also be cut after the fact, to its best prefix
@@ -121,6 +131,7 @@ class ModelDrafter(Drafter):
             sched.keep(min(n, len(draft.tokens)))
             draft.tokens = draft.tokens[:n]
             draft.survival = sched.acceptance()
+            draft.confidence = draft.confidence[:n] if draft.confidence is not None else None
         return draft
 
     def trimmed(self, n: int) -> None:
@@ -138,16 +149,17 @@ class ModelDrafter(Drafter):
         return fit_vocab(rows[-1], self.vocab_size)  # [V]
 
     def _draft_on_device(
-        self, pending: list[int], k: int, config: GenerationConfig, generator
+        self, pending: list[int], k: int, config: GenerationConfig, generator, planned: bool = False
     ) -> Steps[Draft]:
         """Up to ``k`` tokens as a [n] tensor on the device, each fed back without a host read.
 
         With a greedy schedule, the confidences of a block of DEVICE_BLOCK tokens are read at once
         and the schedule's per-token decisions replayed over them: position i's decision reads only
         confidences up to i, as when drafting token by token, so the draft is the same; the tokens
-        drafted past the cut within a block are the price of not reading each one. A sampled
-        schedule reads each confidence before its draw (a draw past the cut would move the
-        generator); the token itself stays on the device.
+        drafted past the cut within a block are the price of not reading each one. A ``planned``
+        greedy draft (its length decided before it) reads none: its confidences go with the draft
+        (``Draft.confidence``). A sampled schedule reads each confidence before its draw (a draw
+        past the cut would move the generator); the token itself stays on the device.
         """
         sched = self.schedule
         new: list[int] | PassIds = pending
@@ -172,18 +184,19 @@ class ModelDrafter(Drafter):
                 qs.append(q)
             tokens.append(token)
             new = PassIds([], token[None])
-            if sched is None or not config.greedy:
+            if sched is None or not config.greedy or planned:
                 included += 1
             elif len(confidences) == DEVICE_BLOCK:
                 kept, block = self._replay(confidences), len(confidences)
                 included, confidences = included + kept, []
                 if kept < block:
                     break
-        if confidences:
+        if confidences and not planned:
             included += self._replay(confidences)
         if not included:
             return Draft([])
-        return Draft(torch.stack(tokens[:included]), torch.stack(qs) if qs else None)
+        confidence = torch.stack(confidences) if planned else None
+        return Draft(torch.stack(tokens[:included]), torch.stack(qs) if qs else None, confidence=confidence)
 
     def _replay(self, confidences: list[torch.Tensor]) -> int:
         """Read a block's confidences at once and ask the schedule about each in turn, as drafting
@@ -227,6 +240,10 @@ class ModelDrafter(Drafter):
             tokens.append(token)
             new = [token]
         return Draft(tokens, torch.stack(qs) if qs else None)
+
+    def observe_confidences(self, confidences: list[float]) -> None:
+        if self.schedule is not None:
+            self.schedule.observed(confidences)
 
     def settle(self, seq: list[int], n_accepted: int) -> None:
         """After a verify pass (``seq``: the verified sequence): the draft positions fed from the

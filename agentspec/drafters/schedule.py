@@ -296,6 +296,24 @@ class ConfidenceSchedule:
             return True
         return False
 
+    def planned(self, k: int) -> int:
+        """The draft length decided before drafting, from what the calibration expects of each
+        position (its first, then its average), for a draft that reads no confidence while it runs
+        (on a GPU each read would stall the device's queue): the confidences come back with the
+        verification's read (``observed``). A probe drafts at least one token."""
+        cal = self.calibration
+        s = survival([cal.expected_first()] + [cal.overall()] * (k - 1))
+        d = best_length(s, self.cost.verify, self.cost.draft_step)
+        d = max(d, min(1, k)) if self.probing else d
+        self.confidences, self.survivals, self._explored = [], s[:d], self.probing
+        return d
+
+    def observed(self, confidences: list[float]) -> None:
+        """A planned draft's confidences (of the tokens it verifies), read with the verification."""
+        self.confidences = list(confidences[: len(self.survivals)])
+        if self.confidences:
+            self.calibration.note_first(self.calibration(self.confidences[0], positioned(0, 0)))
+
     def include(self, confidence: float) -> bool:
         a = self.calibration(confidence, positioned(0, len(self.survivals)))
         first = not self.survivals

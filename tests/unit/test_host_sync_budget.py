@@ -10,6 +10,7 @@ changed a token would be worthless.
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -22,13 +23,14 @@ from agentspec.cache import PrefixCache
 from agentspec.distill.student import build_eagle
 from agentspec.drafters import Drafter
 from agentspec.drafters.prompt_lookup import NgramIndex, lookup
+from agentspec.drafters.registry import build_drafter
 from agentspec.kv import ModelState, PassIds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 N_NEW = 32
-# per verify pass: one read; the confidence schedule reads a block's confidences (at most two
-# blocks in a usual draft)
+# per verify pass: one read; on a CPU the confidence schedule reads a block's confidences too, to stop
+# its draft early (at most two blocks in a usual draft); elsewhere it reads none of its own (below)
 BUDGET = {"model": 1.0, "prompt_lookup": 1.0, "suffix": 1.0, "model_scheduled": 3.0, "auto": 3.0}
 
 
@@ -56,6 +58,36 @@ def test_greedy_passes_read_the_device_about_once(pair, prompt, drafter, cached,
     per_pass, tokens = _syncs_per_pass(pair, prompt, drafter, cache)
     assert per_pass <= BUDGET[drafter], f"{drafter=} {per_pass=}"
     assert tokens == hf_greedy(target, prompt, N_NEW)
+
+
+@pytest.mark.parametrize("name", ["model_scheduled", "auto"])
+@pytest.mark.parametrize("k", [1, 8], ids=["K1", "K8"])
+def test_a_scheduled_draft_reads_nothing_of_its_own_where_a_read_stalls(
+    pair, prompt, name, k, hf_greedy, target
+):
+    """On a GPU (``early_stop`` off, as on any device but a CPU) a scheduled draft model plans its
+    length before drafting and its confidences come back with the verification's one read: one read
+    a pass, alone or with 7 other calls, every reply transformers' greedy one; the calibration
+    learns from the confidences read."""
+    drafters = [build_drafter(pair, name, pair.tenants.memory(f"planned-{name}-{k}")) for _ in range(k)]
+    models = [d.model if name == "auto" else d for d in drafters]
+    for model in models:
+        model.early_stop = False
+    calibration = models[0].schedule.shared_calibration
+    prompts = [prompt[i:] for i in range(k)]
+    passes = pair.scheduler.stats.passes
+    with HostSyncs(pair) as syncs, ThreadPoolExecutor(k) as pool:
+        runs = list(pool.map(lambda i: _streamed(pair, prompts[i], drafters[i]), range(k)))
+    passes = pair.scheduler.stats.passes - passes
+    assert sum(s.drafted for steps in runs for s in steps) > 0, "nothing drafted: nothing measured"
+    assert syncs.count <= passes, f"{syncs.count=} {passes=} {syncs.where}"
+    assert calibration.total[1] > 0  # the confidences read with the verdicts taught it
+    for p, steps in zip(prompts, runs):
+        assert [t for s in steps for t in s.tokens] == hf_greedy(target, p, N_NEW)
+
+
+def _streamed(pair, prompt: list[int], drafter) -> list:
+    return list(agentspec.stream(pair, prompt, drafter=drafter, prefix_cache=False, max_new_tokens=N_NEW))
 
 
 def _head(kind: str, target) -> torch.nn.Module:
