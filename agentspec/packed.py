@@ -357,9 +357,9 @@ class Read:
 def read_verdicts(verdicts: list[Verdict]) -> list[Read]:
     """Several calls' verdicts on the host: their values in one read (on a GPU, the one per pass that
     waits for the device), and their scores, where any call asked for some, in one more."""
-    values = _read_flat([v.values for v in verdicts])
+    values = read_flat([v.values for v in verdicts])
     scored = [v.scores for v in verdicts if v.scores is not None]
-    flat = iter(_read_flat([s.reshape(-1) for s in scored]) if scored else ())
+    flat = iter(read_flat([s.reshape(-1) for s in scored]) if scored else ())
     reads = []
     for v, ints in zip(verdicts, values):
         rows = None
@@ -371,8 +371,8 @@ def read_verdicts(verdicts: list[Verdict]) -> list[Read]:
     return reads
 
 
-def _read_flat(tensors: list[torch.Tensor]) -> list[list]:
-    """One-dimensional tensors of one dtype on the host, in one read."""
+def read_flat(tensors: list[torch.Tensor]) -> list[list]:
+    """One-dimensional tensors of one dtype (and device) on the host, in one read."""
     if len(tensors) == 1:
         return [tensors[0].tolist()]
     flat = torch.cat(tensors).tolist()

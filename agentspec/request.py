@@ -39,7 +39,7 @@ from agentspec.drafters.schedule import survival
 from agentspec.grammar import Constraint, apply_bitmask
 from agentspec.kv import ModelState, PassIds, to_device
 from agentspec.memory import is_oom, release_cached_memory
-from agentspec.packed import Read, Verdict
+from agentspec.packed import Read, Verdict, read_flat
 from agentspec.sampling import keyed_scores, probabilities
 from agentspec.stats import DecodeStats
 from agentspec.steps import Steps
@@ -366,13 +366,6 @@ class Share:
         forced = len(self.forced) if self.scored else 0
         return forced + (len(self.tokens) + 1 if self.verified else 0)
 
-    @property
-    def survival(self) -> list[float] | None:
-        """S_1 >= S_2 >= ...: the chance that the draft's first i tokens all survive (read only by a
-        scheduler sharing the pass: on a GPU, a head's estimates reach the host here)."""
-        a = self.acceptance
-        return None if a is None else survival(a.tolist() if isinstance(a, torch.Tensor) else a)
-
     def trim(self, n: int) -> None:
         """Verify only the draft's first ``n`` tokens (a shorter deterministic draft is just another
         draft: the output is the same)."""
@@ -380,6 +373,19 @@ class Share:
         self.acceptance = self.acceptance[:n]
         self.confidence = self.confidence[:n] if self.confidence is not None else None
         self.feed = PassIds(self.feed.host, self.feed.device[:n])
+
+
+def survivals(shares: list[Share]) -> list[list[float] | None]:
+    """Each share's S_1 >= S_2 >= ...: the chance that its draft's first i tokens all survive (None:
+    no estimates). Read only by a scheduler sharing the pass; the heads' estimates on the device
+    (``Draft.survival`` as a tensor) reach the host in one read for the whole pass."""
+    tensors = [s.acceptance.float() for s in shares if isinstance(s.acceptance, torch.Tensor)]
+    read = iter(read_flat(tensors) if tensors else ())
+    out = []
+    for s in shares:
+        a = s.acceptance
+        out.append(None if a is None else survival(next(read) if isinstance(a, torch.Tensor) else a))
+    return out
 
 
 def _chunk(req: Request, size: int) -> Share | None:

@@ -389,7 +389,8 @@ class Scheduler:
         survive first, admitted while the pass's expected tokens per second still rise, priced by
         the pair's measured pass times by rows (``PairCost.pricer``). A request whose draft has no
         survival estimates (a sampled call's, a grammar's) is fed whole."""
-        flexible = [(m, s, est) for m, s in fed if (est := s.survival)]
+        estimates = request.survivals([s for _, s in fed])  # a head's, read in one read for the pass
+        flexible = [(m, s, est) for (m, s), est in zip(fed, estimates) if est]
         if not flexible:
             return
         fixed = sum(len(s.feed) for _, s in fed) - sum(len(est) for _, _, est in flexible)

@@ -126,6 +126,26 @@ def test_a_head_drafts_on_the_device_too(kind, tiny_llama, fake_tokenizer, promp
     assert all(s.draft_tokens > 0 and s.draft_failures == 0 for s in stats), stats
 
 
+@pytest.mark.parametrize("kind", ["eagle", "dspark"])
+def test_heads_of_eight_calls_read_the_device_at_most_twice_a_pass(
+    kind, tiny_llama, fake_tokenizer, prompt, hf_greedy
+):
+    """Eight calls drafting with a head at once: the verdicts in one read, and a DSpark head's
+    survival estimates (for the pass's verify lengths) in one more for the whole pass, not one per
+    call; every reply transformers' greedy one."""
+    etarget = tiny_llama(3, vocab_size=64, hidden=32, layers=2, max_positions=512, logit_scale=4.0)
+    epair = ModelPair(target=etarget, draft=_head(kind, etarget), tokenizer=fake_tokenizer(64))
+    prompts = [prompt[i:] for i in range(8)]
+    passes = epair.scheduler.stats.passes
+    with HostSyncs(epair) as syncs, ThreadPoolExecutor(8) as pool:
+        runs = list(pool.map(lambda p: _streamed(epair, p, "model"), prompts))
+    passes = epair.scheduler.stats.passes - passes
+    assert sum(s.drafted for steps in runs for s in steps) > 0
+    assert syncs.count <= 2 * passes, (syncs.count, passes, syncs.where)
+    for p, steps in zip(prompts, runs):
+        assert [t for s in steps for t in s.tokens] == hf_greedy(etarget, p, N_NEW)
+
+
 def test_sampled_verification_reads_once_per_pass(pair, prompt):
     options = {"temperature": 0.8, "seed": 3, "max_new_tokens": N_NEW, "prefix_cache": False}
     with HostSyncs(pair) as syncs:
