@@ -178,36 +178,37 @@ class VerifyCost:
     draft_times: deque = field(default_factory=lambda: deque(maxlen=32))  # recent draft steps (seconds)
     min_samples: int = 3  # draft steps before their median replaces the prior's share
     _curve: tuple[tuple[int, float], ...] | None = None
-    _seen: int = -1  # ``times.observed`` when ``_curve`` was read
+    _t1: float | None = None  # T(1) in seconds as ``times`` gave it at ``_seen``
+    _seen: int = -1  # ``times.observed`` when ``_curve`` and ``_t1`` were read
 
     def observe_draft(self, seconds_per_step: float) -> None:
         if self.times is not None and seconds_per_step > 0:
             self.draft_times.append(seconds_per_step)
 
-    def _t1(self, points: list[tuple[int, float]]) -> float | None:
-        if not points:
-            return None
-        if points[0][0] == 1:
-            return points[0][1]
-        return sum(t / interpolate(self.prior, n) for n, t in points) / len(points)
+    def _read(self) -> None:
+        """``_curve`` and ``_t1`` from ``times``, once per pass they saw (the schedule asks per token)."""
+        if self.times is None or self._seen == self.times.observed:
+            return
+        self._seen = self.times.observed
+        points = self.times.points()
+        t1 = None  # measured, or inferred from the other sizes through the prior
+        if points and points[0][0] == 1:
+            t1 = points[0][1]
+        elif points:
+            t1 = sum(t / interpolate(self.prior, n) for n, t in points) / len(points)
+        self._t1 = t1
+        data = [(1, 1.0)] + [(n, max(1.0, t / t1)) for n, t in points if n > 1] if t1 else []
+        if len(data) < 2:
+            self._curve = None
+            return
+        last_n, last_v = data[-1]  # past the last measured size: the prior's growth from there
+        base = interpolate(self.prior, last_n)
+        self._curve = tuple(data + [(n, last_v * v / base) for n, v in self.prior if n > last_n])
 
     def curve(self) -> tuple[tuple[int, float], ...]:
         """The current (n, V(n)) points."""
-        if self.times is None:
-            return tuple(self.prior)
-        if self._curve is None or self._seen != self.times.observed:
-            self._seen = self.times.observed
-            points = self.times.points()
-            t1 = self._t1(points)
-            data = [(1, 1.0)] + [(n, max(1.0, t / t1)) for n, t in points if n > 1] if t1 else []
-            if len(data) < 2:
-                self._curve = tuple(self.prior)
-                return self._curve
-            last_n, last_v = data[-1]  # past the last measured size: the prior's growth from there
-            base = interpolate(self.prior, last_n)
-            data += [(n, last_v * v / base) for n, v in self.prior if n > last_n]
-            self._curve = tuple(data)
-        return self._curve
+        self._read()
+        return self._curve if self._curve is not None else tuple(self.prior)
 
     def verify(self, n: int) -> float:
         """V(n): a pass over n new tokens in one-token steps."""
@@ -215,10 +216,10 @@ class VerifyCost:
 
     @property
     def draft_step(self) -> float:
-        t1 = self._t1(self.times.points()) if self.times is not None else None
-        if len(self.draft_times) < self.min_samples or not t1:
+        self._read()
+        if len(self.draft_times) < self.min_samples or not self._t1:
             return self.draft_step_prior
-        return statistics.median(self.draft_times) / t1
+        return statistics.median(self.draft_times) / self._t1
 
     def frozen(self) -> VerifyCost:
         """The prior alone, learning nothing (for sampled calls: no dependence on timing)."""
