@@ -582,7 +582,7 @@ def _land(req: Request, p: Share, read: Read | None, hidden: torch.Tensor | None
     )
 
 
-def late(req: Request) -> DecodeTimeout | None:
+def _late(req: Request) -> DecodeTimeout | None:
     """The timeout of a call whose deadline has passed (None: it has time left, or no deadline)."""
     if req.deadline is None or time.perf_counter() <= req.deadline:
         return None
@@ -641,7 +641,7 @@ def land(req: Request, p: Share, read: Read | None) -> tuple[Step | None, bool]:
     _put(req, step)
     if step.finish_reason is not None:
         return step, True
-    timeout = late(req)
+    timeout = _late(req)
     if timeout is not None:
         _put(req, timeout)
     return step, timeout is not None
